@@ -1,0 +1,29 @@
+"""specdecode: exact speculative decoding.
+
+    from specdecode import load, SpeculativeGenerator, SamplingParams
+    target = load("three-kingdoms/target")
+    gen = SpeculativeGenerator(target, draft=load("three-kingdoms/draft-64"), k=4)
+    gen.generate(["孔明曰：「"], SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
+"""
+
+from .engine import GenerationResult, RoundEvent, SpeculativeGenerator
+from .errors import SpecDecodeError
+from .models import load
+from .sampling import SamplingParams, logits_to_probs
+from .stats import GenerationStats
+from .verify import verify_chain, verify_greedy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GenerationResult",
+    "GenerationStats",
+    "RoundEvent",
+    "SamplingParams",
+    "SpecDecodeError",
+    "SpeculativeGenerator",
+    "load",
+    "logits_to_probs",
+    "verify_chain",
+    "verify_greedy",
+]

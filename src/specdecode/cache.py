@@ -1,0 +1,68 @@
+"""A static KV cache with per-row lengths: written by position, rewound by length.
+
+Nothing is copied on a rejection: rewinding only lowers a row's length, and the next write
+overwrites the stale entries (as in gpt-fast). Rewind is a method of the cache so that a
+cache of another kind (recurrent state, Hugging Face's own) can implement it its own way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SpecDecodeError
+
+
+class KVCache:
+    """Keys and values [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens."""
+
+    def __init__(
+        self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        shape = (layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [B]
+        self.capacity = capacity
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def positions(self, num_new: int) -> torch.Tensor:
+        """[B, T] positions of the next num_new tokens of every row."""
+        pos = self.lengths.view(-1, 1) + torch.arange(num_new).view(1, -1)
+        if int(pos.max()) >= self.capacity:
+            raise SpecDecodeError(
+                f"sequence longer than the cache ({self.capacity} tokens); lower max_new_tokens"
+            )
+        return pos
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store k, v [B, kv_heads, T, D] at positions pos [B, T]; return the used length S."""
+        T = pos.shape[1]
+        start = self.lengths[0]
+        if bool((self.lengths == start).all()):  # aligned rows: one slice write
+            s = int(start)
+            self.k[layer, :, :, s : s + T] = k
+            self.v[layer, :, :, s : s + T] = v
+        else:
+            rows = torch.arange(self.batch_size).view(-1, 1).expand_as(pos)
+            self.k[layer, rows, :, pos] = k.transpose(1, 2)
+            self.v[layer, rows, :, pos] = v.transpose(1, 2)
+        return int(pos.max()) + 1
+
+    def advance(self, num_new: int) -> None:
+        self.lengths += num_new
+
+    def rewind(self, lengths: torch.Tensor) -> None:
+        """Keep only the first lengths[b] tokens of each row (lengths may not exceed the current)."""
+        lengths = lengths.to(torch.long)
+        if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
+            raise ValueError("rewind can only shorten rows")
+        self.lengths = lengths.clone()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (retire the others); one copy, made when rows finish."""
+        self.k = self.k[:, rows].contiguous()
+        self.v = self.v[:, rows].contiguous()
+        self.lengths = self.lengths[rows].clone()

@@ -1,0 +1,187 @@
+"""The `specdecode` command. Bad input: one line on stderr and exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import SpecDecodeError
+
+POLICIES = ("fixed", "heuristic", "confidence", "optimal")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="specdecode",
+        description="Exact speculative decoding: a drafter proposes k tokens, the target checks "
+        "them in one forward pass, and the output keeps the target's distribution.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a prompt (speculative when --draft or --method is given)",
+        description="Generate from TARGET. With --draft (or --method) the drafter proposes --k tokens "
+        "per round and TARGET verifies them in one forward; without, plain target-only decoding. "
+        "Sampling output follows TARGET's distribution exactly; --temperature 0 gives TARGET's greedy tokens.",
+    )
+    g.add_argument("--target", required=True, metavar="MODEL", help="bundled name or Hugging Face model dir")
+    g.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
+    g.add_argument("--method", help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle")
+    g.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    g.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below P x the top probability")
+    g.add_argument("--seed", type=int, default=None, help="random seed (default: fresh randomness)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    g.add_argument("--num-return-sequences", type=int, default=1, help="independent samples, run as one batch")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-text token")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g.add_argument("--trace", metavar="FILE.jsonl", help="write one JSON line per row per round")
+    g.add_argument("--backend", default="auto", choices=("auto", "lean", "hf"),
+                   help="model runtime: our lean Llama runtime, transformers, or auto (default)")
+
+    m = sub.add_parser(
+        "init-model",
+        help="write a random-initialised Llama checkpoint with a matching tokenizer",
+        description="Write a random Llama checkpoint directory (config.json, model.safetensors, "
+        "tokenizer files) that transformers and specdecode load offline. For tests and experiments.",
+    )
+    m.add_argument("out", metavar="OUT", help="output directory")
+    m.add_argument("--vocab", type=int, required=True, help="vocabulary size (>= 258 gives a byte-level tokenizer)")
+    m.add_argument("--layers", type=int, required=True)
+    m.add_argument("--dim", type=int, required=True, help="hidden size")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--heads", type=int, default=None, help="attention heads (default dim // 32, at least 1)")
+    m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = heads)")
+    m.add_argument("--init-std", type=float, default=0.02, help="std of the random weights (default 0.02)")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .sampling import SamplingParams
+
+    # validate everything cheap before loading any model
+    if args.prompt == "":
+        raise SpecDecodeError("--prompt is empty; give at least one character")
+    if args.k < 1:
+        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
+    if args.num_return_sequences < 1:
+        raise SpecDecodeError(f"--num-return-sequences must be >= 1, got {args.num_return_sequences}")
+    if args.policy not in POLICIES:
+        raise SpecDecodeError(f"unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
+    if args.policy != "fixed":
+        raise SpecDecodeError(f"--policy {args.policy} is not available yet; use fixed")
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    from .engine import SpeculativeGenerator
+    from .models import load, resolve
+    from .stats import GenerationStats
+
+    resolve(args.target)
+    if args.draft:
+        resolve(args.draft)
+    target = load(args.target, backend=args.backend)
+    draft = load(args.draft, backend=args.backend) if args.draft else None
+    gen = SpeculativeGenerator(target, draft=draft, k=args.k, method=args.method)
+    n = args.num_return_sequences
+    trace = None
+    if args.trace:
+        try:
+            trace = open(args.trace, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError as e:
+            raise SpecDecodeError(f"cannot write --trace file {args.trace}: {e.strerror}") from None
+    stream_text = not args.json and n == 1 and target.tokenizer is not None
+    shown = ""
+    events = gen.stream([args.prompt] * n, [params] * n)
+    tokens: list[int] = []
+    try:
+        for event in events:
+            if trace is not None:
+                for rec in event.records():
+                    trace.write(json.dumps(rec.to_dict(), ensure_ascii=False) + "\n")
+            if stream_text and event.emitted:
+                tokens.extend(event.emitted[0])
+                text = target.tokenizer.decode(tokens)
+                if text.startswith(shown):  # print only what is stable
+                    sys.stdout.write(text[len(shown) :])
+                    sys.stdout.flush()
+                    shown = text
+    finally:
+        if trace is not None:
+            trace.close()
+    results = events.results()
+    stats = GenerationStats.merge([r.stats for r in results], results[0].stats.wall_s)
+    if args.json:
+        out = {"text": results[0].text, "token_ids": results[0].token_ids}
+        if n > 1:
+            out["samples"] = [{"text": r.text, "token_ids": r.token_ids} for r in results]
+        out["stats"] = stats.to_dict()
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    if stream_text:
+        rest = results[0].text[len(shown) :] if results[0].text.startswith(shown) else ""
+        print(rest)
+    else:
+        for i, r in enumerate(results):
+            print(f"--- sample {i}" if n > 1 else "", r.text if target.tokenizer else r.token_ids, sep="\n" if n > 1 else "")
+    print(
+        f"[{stats.new_tokens} tokens in {stats.wall_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s; "
+        f"{stats.rounds} rounds, {stats.tokens_per_forward:.2f} tokens per target forward"
+        + (f", acceptance {stats.acceptance_rate:.2f}]" if stats.drafted else "]"),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from .models.init import init_model
+
+    out = init_model(
+        args.out,
+        vocab=args.vocab,
+        layers=args.layers,
+        dim=args.dim,
+        seed=args.seed,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        init_std=args.init_std,
+    )
+    print(f"wrote a random Llama checkpoint to {Path(out)}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _init_model(args)
+    except SpecDecodeError as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

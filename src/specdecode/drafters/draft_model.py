@@ -1,0 +1,54 @@
+"""A separate small model that shares the target's vocabulary, with its own KV cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import SpecDecodeError
+from ..models.base import CausalLM, extend
+from ..sampling import logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from ..engine import Batch
+
+
+class DraftModelDrafter:
+    """Proposes k tokens by sampling the draft model k times (k - 1 one-token forwards after
+    catching up on the tokens it has not seen)."""
+
+    def __init__(self, draft: CausalLM, target: CausalLM) -> None:
+        if draft.vocab_size != target.vocab_size:
+            raise SpecDecodeError(
+                f"vocabulary mismatch: target has {target.vocab_size} tokens, draft has "
+                f"{draft.vocab_size}; the draft must share the target's tokenizer"
+            )
+        self.model = draft
+        self.cache = None
+
+    def start(self, batch: Batch) -> None:
+        self.cache = self.model.new_cache(batch.size, batch.capacity)
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        greedy = batch.warp.all_greedy
+        logits = extend(self.model, self.cache, batch.tokens, batch.lengths)  # [B, V]
+        tokens, probs = [], []
+        for i in range(k):
+            if greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits.unsqueeze(1), batch.warp).squeeze(1)  # [B, V]
+                tok = sample(q, batch.exp_noise(q.shape[-1]))
+                probs.append(q)
+            tokens.append(tok)
+            if i < k - 1:
+                logits = self.model.forward(tok.view(-1, 1), self.cache)[:, -1]
+        return torch.stack(tokens, 1), (None if greedy else torch.stack(probs, 1))
+
+    def commit(self, lengths: torch.Tensor) -> None:
+        self.cache.rewind(torch.minimum(self.cache.lengths, lengths))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.cache.select_rows(rows)

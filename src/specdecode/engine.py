@@ -1,0 +1,337 @@
+"""SpeculativeGenerator: prefill, then rounds of propose -> ONE target forward -> verify ->
+rewind -> emit, for a batch of rows that may stop at different times."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import METHODS, DraftModelDrafter, Drafter
+from .errors import SpecDecodeError
+from .models.base import CausalLM, extend
+from .sampling import SamplingParams, Warp, logits_to_probs
+from .stats import HOW, GenerationStats, RoundRecord
+from .verify import Verdict, verify_chain, verify_greedy
+
+Prompt = str | Sequence[int]
+
+
+class Batch:
+    """Every per-row state of a running batch in one place: tokens, lengths, sampling
+    parameters, stop rules. Retiring rows is select(); the RNG is shared by the batch."""
+
+    def __init__(self, prompts: list[list[int]], params: list[SamplingParams], k: int) -> None:
+        B = len(prompts)
+        self.size = B
+        self.prompt_lengths = torch.tensor([len(p) for p in prompts])  # [B]
+        self.max_new = torch.tensor([p.max_new_tokens for p in params])  # [B]
+        # room for the longest row plus one round's overshoot
+        self.capacity = int((self.prompt_lengths + self.max_new).max()) + k + 1
+        self.tokens = torch.zeros(B, self.capacity, dtype=torch.long)  # [B, capacity]
+        for b, p in enumerate(prompts):
+            self.tokens[b, : len(p)] = torch.tensor(p)
+        self.lengths = self.prompt_lengths.clone()  # [B] context length, last token not yet in the target cache
+        self.rows = torch.arange(B)  # [B] original row index of each live row
+        self.params = list(params)
+        self.warp = Warp.from_params(params)
+        seeds = [p.seed for p in params]
+        self.generator = torch.Generator()
+        if all(s is not None for s in seeds):
+            same = all(s == seeds[0] for s in seeds)
+            self.generator.manual_seed(seeds[0] if same else hash(tuple(seeds)) & 0x7FFF_FFFF_FFFF_FFFF)
+        else:
+            self.generator.seed()
+
+    def exp_noise(self, vocab: int) -> torch.Tensor:
+        """[B, V] Exp(1) noise from the batch's generator."""
+        return torch.empty(self.size, vocab, dtype=torch.float64).exponential_(generator=self.generator)
+
+    def uniforms(self, k: int) -> torch.Tensor:
+        return torch.rand(self.size, k, dtype=torch.float64, generator=self.generator)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.tokens = self.tokens[keep]
+        self.lengths = self.lengths[keep]
+        self.prompt_lengths = self.prompt_lengths[keep]
+        self.max_new = self.max_new[keep]
+        self.rows = self.rows[keep]
+        self.params = [self.params[i] for i in keep.tolist()]
+        self.warp = self.warp.select(keep)
+        self.size = len(self.params)
+
+
+@dataclass
+class RoundEvent:
+    """One round for every live row: the whole verdict, and what each row emitted."""
+
+    round: int
+    rows: list[int]  # original row index per live row
+    draft_tokens: torch.Tensor  # [B, k]
+    verdict: Verdict
+    emitted: list[list[int]]  # per live row, after stop rules
+    finished: list[bool]
+
+    def records(self) -> list[RoundRecord]:
+        """Trace lines (design.md): positions after the first rejection have uniform None."""
+        v = self.verdict
+        tested = v.tested.tolist()
+        out = []
+        for i, row in enumerate(self.rows):
+            a = int(v.accepted[i])
+            n = len(self.emitted[i])
+            how = ["accepted"] * min(a, n) + ([HOW[2] if v.bonus[i] else HOW[1]] if n > a else [])
+            uni = v.uniforms[i].tolist() if v.uniforms is not None else [None] * len(tested[i])
+            out.append(
+                RoundRecord(
+                    row=row,
+                    round=self.round,
+                    draft_token_ids=self.draft_tokens[i].tolist(),
+                    draft_prob=v.draft_prob[i].tolist(),
+                    target_prob=v.target_prob[i].tolist(),
+                    accept_prob=v.accept_prob[i].tolist(),
+                    uniform=[u if t else None for u, t in zip(uni, tested[i])],
+                    accepted=v.accepted_mask[i].tolist(),
+                    emitted_token_ids=self.emitted[i],
+                    how=how,
+                )
+            )
+        return out
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens only
+    stats: GenerationStats
+    finish_reason: str  # "length", "eos" or "stop"
+
+
+class Generation:
+    """A running batch: an iterator of RoundEvents; results() finishes it and returns the outputs."""
+
+    def __init__(self, gen: SpeculativeGenerator, ids: list[list[int]], params: list[SamplingParams]) -> None:
+        self._gen = gen
+        self._state = gen._new_results(len(ids))
+        self._events = gen._run(ids, params, self._state)
+
+    def __iter__(self) -> Iterator[RoundEvent]:
+        return self._events
+
+    def results(self) -> list[GenerationResult]:
+        for _ in self._events:
+            pass
+        return self._gen._results(self._state)
+
+
+class SpeculativeGenerator:
+    """Exact speculative decoding of `target`, drafting with `draft` (or a method).
+
+    draft=None and no method: plain autoregressive decoding through the same runtime, the
+    baseline every speed-up is measured against.
+    """
+
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: CausalLM | None = None,
+        k: int = 4,
+        method: str | None = None,
+    ) -> None:
+        if not isinstance(k, int) or k < 1:
+            raise SpecDecodeError(f"k must be an integer >= 1, got {k!r}")
+        if method is None:
+            method = "draft" if draft is not None else None
+        self.target = target
+        self.k = k
+        self.drafter: Drafter | None = None
+        if method == "draft":
+            if draft is None:
+                raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
+            self.drafter = DraftModelDrafter(draft, target)
+        elif method is not None:
+            if method in METHODS:
+                raise SpecDecodeError(f"method {method!r} is not available yet; use 'draft'")
+            raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        self.method = method
+
+    # -- inputs -------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise SpecDecodeError("the prompt is empty; give at least one character")
+            if self.target.tokenizer is None:
+                raise SpecDecodeError(f"{self.target.path} has no tokenizer; pass token ids instead of text")
+            ids = self.target.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise SpecDecodeError("the prompt is empty; give at least one token")
+        V = self.target.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise SpecDecodeError(f"prompt token ids must be in [0, {V}); got {min(ids)}..{max(ids)}")
+        return ids
+
+    def _prepare(
+        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            raise SpecDecodeError("no prompts given")
+        ids = [self._encode(p) for p in prompts]
+        params = params if params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(ids)
+        if len(params) != len(ids):
+            raise SpecDecodeError(f"got {len(ids)} prompts but {len(params)} SamplingParams")
+        return ids, list(params)
+
+    # -- the loop -----------------------------------------------------------------------
+    def stream(
+        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Generation:
+        """Start a batch: iterate the returned Generation for one RoundEvent per round, then
+        call its results()."""
+        ids, plist = self._prepare(prompts, params)
+        return Generation(self, ids, plist)
+
+    def generate(
+        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (one batch); results in prompt order."""
+        return self.stream(prompts, params).results()
+
+    def _new_results(self, n: int) -> dict:
+        return {
+            "tokens": [[] for _ in range(n)],
+            "stats": [GenerationStats() for _ in range(n)],
+            "reason": ["length"] * n,
+            "text": [None] * n,
+            "wall_s": 0.0,
+        }
+
+    def _results(self, state: dict) -> list[GenerationResult]:
+        out = []
+        tok = self.target.tokenizer
+        for b, ids in enumerate(state["tokens"]):
+            st = state["stats"][b]
+            st.new_tokens = len(ids)
+            st.wall_s = state["wall_s"]
+            text = state["text"][b]
+            if text is None:
+                text = tok.decode(ids) if tok is not None else ""
+            out.append(GenerationResult(text, ids, st, state["reason"][b]))
+        return out
+
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], state: dict) -> Iterator[RoundEvent]:
+        t0 = time.perf_counter()
+        k = self.k if self.drafter is not None else 0
+        batch = Batch(ids, params, k)
+        cache = self.target.new_cache(batch.size, batch.capacity)
+        if int(batch.lengths.max()) > 1:  # prefill all but the last prompt token
+            extend(self.target, cache, batch.tokens, batch.lengths - 1)
+        if self.drafter is not None:
+            self.drafter.start(batch)
+        eos = torch.tensor(self.target.eos_token_ids, dtype=torch.long)
+        round_no = 0
+        while batch.size > 0:
+            event = self._round(batch, cache, k, round_no, eos, state)
+            round_no += 1
+            state["wall_s"] = time.perf_counter() - t0
+            yield event
+            done = torch.tensor(event.finished)
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(1)
+                batch.select(keep)
+                cache.select_rows(keep)
+                if self.drafter is not None:
+                    self.drafter.select_rows(keep)
+        state["wall_s"] = time.perf_counter() - t0
+
+    def _round(
+        self, batch: Batch, cache, k: int, round_no: int, eos: torch.Tensor, state: dict
+    ) -> RoundEvent:
+        B = batch.size
+        if k > 0:
+            draft_tokens, draft_probs = self.drafter.propose(batch, k)
+        else:
+            draft_tokens, draft_probs = torch.zeros(B, 0, dtype=torch.long), None
+        pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
+        logits = self.target.forward(torch.cat([pending, draft_tokens], 1), cache)  # [B, k+1, V]
+        if batch.warp.all_greedy:
+            verdict = verify_greedy(draft_tokens, logits)
+        else:
+            target_probs = logits_to_probs(logits, batch.warp)
+            verdict = verify_chain(
+                draft_tokens, draft_probs, target_probs, batch.uniforms(k), batch.exp_noise(logits.shape[-1])
+            )
+        # keep pending + accepted drafts in the target cache; the new last token is pending
+        kept = batch.lengths + verdict.accepted
+        cache.rewind(kept)
+        if self.drafter is not None:
+            self.drafter.commit(kept)
+        n_emit = verdict.num_emitted
+        pos = batch.lengths.view(B, 1) + torch.arange(k + 1).view(1, k + 1)
+        pos = pos.clamp(max=batch.capacity - 1)
+        write = torch.arange(k + 1).view(1, k + 1) < n_emit.view(B, 1)
+        batch.tokens.scatter_(1, pos, torch.where(write, verdict.tokens, batch.tokens.gather(1, pos)))
+        batch.lengths = batch.lengths + n_emit
+        return self._emit(batch, verdict, draft_tokens, round_no, eos, state)
+
+    def _emit(
+        self, batch: Batch, verdict: Verdict, draft_tokens: torch.Tensor, round_no: int, eos: torch.Tensor, state: dict
+    ) -> RoundEvent:
+        """Apply the stop rules (max_new_tokens, EOS, stop strings) and record stats."""
+        tokens = verdict.tokens.tolist()
+        n_emit = verdict.num_emitted.tolist()
+        accepted = verdict.accepted_mask.tolist()
+        rows = batch.rows.tolist()
+        emitted, finished = [], []
+        for i, row in enumerate(rows):
+            p = batch.params[i]
+            out = state["tokens"][row]
+            new = tokens[i][: n_emit[i]][: p.max_new_tokens - len(out)]
+            reason = None
+            if eos.numel() and not p.ignore_eos:
+                for j, t in enumerate(new):
+                    if t in self.target.eos_token_ids:
+                        new, reason = new[: j + 1], "eos"
+                        break
+            if p.stop and self.target.tokenizer is not None:
+                new, stop_text = self._apply_stop(out, new, p.stop)
+                if stop_text is not None:
+                    reason, state["text"][row] = "stop", stop_text
+            out.extend(new)
+            if reason is None and len(out) >= p.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                state["reason"][row] = reason
+            emitted.append(new)
+            finished.append(reason is not None)
+            st = state["stats"][row]
+            st.rounds += 1
+            st.target_forwards += 1
+            kk = len(accepted[i])
+            st.drafted += kk
+            st.accepted += sum(accepted[i])
+            if len(st.position_drafted) < kk:
+                pad = kk - len(st.position_drafted)
+                st.position_drafted += [0] * pad
+                st.position_accepted += [0] * pad
+            for j in range(kk):
+                st.position_drafted[j] += 1
+                st.position_accepted[j] += accepted[i][j]
+        return RoundEvent(round_no, rows, draft_tokens, verdict, emitted, finished)
+
+    def _apply_stop(self, out: list[int], new: list[int], stops: tuple[str, ...]) -> tuple[list[int], str | None]:
+        """Cut new tokens after the one that completes a stop string; the text ends before it."""
+        tok = self.target.tokenizer
+        for j in range(len(new)):
+            text = tok.decode(out + new[: j + 1])
+            hits = [text.find(s) for s in stops if s in text]
+            if hits:
+                return new[: j + 1], text[: min(hits)]
+        return new, None

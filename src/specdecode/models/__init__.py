@@ -1,0 +1,96 @@
+"""Loading models by bundled name or path; our lean runtime when it can, transformers otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecDecodeError
+from .base import CausalLM, extend
+from .hf import HFModel
+from .llama import LlamaConfig, LlamaModel
+from .tokenizer import TextTokenizer
+
+BUNDLED = (
+    "three-kingdoms/target",
+    "three-kingdoms/draft-64",
+    "three-kingdoms/draft-128",
+    "python-code/target",
+    "python-code/draft",
+)
+
+__all__ = ["BUNDLED", "CausalLM", "HFModel", "LlamaModel", "extend", "load", "models_dir", "resolve"]
+
+
+def models_dir() -> Path:
+    """Where bundled checkpoints live: $SPECDECODE_MODELS, else the repository's models/."""
+    env = os.environ.get("SPECDECODE_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """A model directory for a bundled name or a path; SpecDecodeError if there is none."""
+    s = str(name_or_path)
+    path = Path(s).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SpecDecodeError(f"{s} has no config.json; pass a Hugging Face model directory")
+        return path
+    if s in BUNDLED:
+        bundled = models_dir() / s
+        if (bundled / "config.json").exists():
+            return bundled
+        raise SpecDecodeError(
+            f"bundled model {s!r} is not trained yet (no {bundled}); train it with `specdecode train`"
+        )
+    raise SpecDecodeError(
+        f"unknown model {s!r}: not a directory; use a Hugging Face model directory "
+        f"or a bundled name ({', '.join(BUNDLED)})"
+    )
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load(name_or_path: str | os.PathLike, *, backend: str = "auto", dtype: torch.dtype = torch.float32):
+    """Load a model: our lean runtime for Llama checkpoints ('lean'), transformers otherwise ('hf')."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve(name_or_path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise SpecDecodeError(f"{path}/config.json is not valid JSON ({e})") from None
+    if backend not in ("auto", "lean", "hf"):
+        raise SpecDecodeError(f"backend must be auto, lean or hf, got {backend!r}")
+    model: LlamaModel | HFModel
+    use_lean = backend == "lean"
+    if backend == "auto":
+        try:
+            LlamaConfig.from_dict(cfg)
+            use_lean = True
+        except (NotImplementedError, KeyError):
+            use_lean = False
+    if use_lean:
+        try:
+            model = LlamaModel.from_dir(path, dtype)
+        except NotImplementedError as e:
+            raise SpecDecodeError(f"{path}: our runtime cannot run this model ({e}); use backend='hf'") from None
+    else:
+        model = HFModel.from_dir(path, dtype)
+    model.name = str(name_or_path)
+    model.path = path
+    model.tokenizer = TextTokenizer.from_dir(path)
+    model.eos_token_ids = _eos_ids(path, cfg)
+    return model

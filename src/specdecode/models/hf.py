@@ -1,0 +1,89 @@
+"""Any transformers.AutoModelForCausalLM (GPT-2, Qwen2, ...) behind the same interface.
+
+transformers keeps one common length for all rows, so ragged rows are kept with holes: each
+row has a mask of live cache slots; rewinding a row marks its later slots dead, and the
+tail that no row uses any more is cropped. Every forward passes that mask as the attention
+mask and explicit position ids, so a dead slot is never attended to. Correct for any model
+that honours attention_mask and position_ids; slower than our own runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .tokenizer import TextTokenizer
+
+
+class HFCache:
+    """A transformers DynamicCache plus the live-slot mask that gives each row its own length."""
+
+    def __init__(self, batch_size: int, capacity: int) -> None:
+        from transformers import DynamicCache
+
+        self.past = DynamicCache()
+        self.live = torch.zeros(batch_size, 0, dtype=torch.bool)  # [B, S]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B] live tokens per row
+        self.capacity = capacity
+
+    def rewind(self, lengths: torch.Tensor) -> None:
+        """Keep the first lengths[b] live tokens of each row; crop the tail no row uses."""
+        lengths = lengths.to(torch.long)
+        if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
+            raise ValueError("rewind can only shorten rows")
+        self.live &= self.live.cumsum(1) <= lengths.view(-1, 1)
+        used = self.live.any(0).nonzero()
+        keep = int(used.max()) + 1 if used.numel() else 0
+        if keep < self.live.shape[1]:
+            self.live = self.live[:, :keep]
+            self.past.crop(keep)
+        self.lengths = lengths.clone()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.past.batch_select_indices(rows)
+        self.live = self.live[rows]
+        self.lengths = self.lengths[rows].clone()
+
+
+class HFModel:
+    """A transformers causal LM: forward(tokens [B, T], cache) -> logits [B, T, V]."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model = model.eval()
+        self.dtype = dtype
+        self.vocab_size = int(model.config.vocab_size)
+        self.name = ""
+        self.path = Path()
+        self.tokenizer: TextTokenizer | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_dir(path: Path, dtype: torch.dtype = torch.float32) -> HFModel:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        return HFModel(model, dtype)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def new_cache(self, batch_size: int, capacity: int) -> HFCache:
+        return HFCache(batch_size, capacity)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: HFCache) -> torch.Tensor:
+        B, T = tokens.shape
+        pos = cache.lengths.view(B, 1) + torch.arange(T).view(1, T)
+        live = torch.cat([cache.live, torch.ones(B, T, dtype=torch.bool)], dim=1)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=live.long(),
+            position_ids=pos,
+            past_key_values=cache.past,
+            use_cache=True,
+        )
+        cache.past = out.past_key_values
+        cache.live = live
+        cache.lengths = cache.lengths + T
+        return out.logits.to(self.dtype)

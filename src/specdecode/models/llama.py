@@ -1,0 +1,220 @@
+"""Our lean runtime for Llama-architecture checkpoints (RMSNorm, RoPE, SwiGLU, grouped-query
+attention, tied or untied embeddings), read from config.json + *.safetensors.
+
+Plain tensors and torch.nn.functional, no nn.Module tree: q/k/v and gate/up are fused into
+one matmul each; the KV cache is written by position (cache.py). Logits match
+transformers.LlamaForCausalLM on the same checkpoint (tests/test_models.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache
+from ..errors import SpecDecodeError
+from .tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @staticmethod
+    def from_dict(cfg: dict) -> LlamaConfig:
+        """Parse a Hugging Face Llama config; raise NotImplementedError for what we don't run."""
+        if cfg.get("model_type") != "llama":
+            raise NotImplementedError(f"model_type {cfg.get('model_type')!r} is not llama")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {cfg['hidden_act']!r}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"rope_type {rope_type!r}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        return LlamaConfig(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+        )
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    w_qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 * inter, hidden]
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpecDecodeError(f"no *.safetensors weights in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class LlamaModel:
+    """A Llama checkpoint on our runtime: forward(tokens [B, T], cache) -> logits [B, T, V]."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.vocab_size = cfg.vocab_size
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return weights[name].to(dtype) if name in weights else None
+
+        def cat_opt(names: list[str]) -> torch.Tensor | None:
+            parts = [opt(n) for n in names]
+            return torch.cat(parts) if all(p is not None for p in parts) else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.final_norm = w("model.norm.weight")
+        if "lm_head.weight" in weights and not cfg.tie_word_embeddings:
+            self.lm_head = w("lm_head.weight")
+        else:
+            self.lm_head = self.embed
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            self.layers.append(
+                _Layer(
+                    attn_norm=w(p + "input_layernorm.weight"),
+                    w_qkv=torch.cat([w(n + ".weight") for n in qkv]),
+                    b_qkv=cat_opt([n + ".bias" for n in qkv]),
+                    w_o=w(p + "self_attn.o_proj.weight"),
+                    b_o=opt(p + "self_attn.o_proj.bias"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    b_gate_up=cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]),
+                    w_down=w(p + "mlp.down_proj.weight"),
+                    b_down=opt(p + "mlp.down_proj.bias"),
+                )
+            )
+        # RoPE tables, computed in float64 and cast once; grown on demand
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+        self.name = ""
+        self.path = Path()
+        self.tokenizer: TextTokenizer | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_dir(path: Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+        cfg_dict = json.loads((path / "config.json").read_text())
+        model = LlamaModel(LlamaConfig.from_dict(cfg_dict), _read_safetensors(path), dtype)
+        return model
+
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.final_norm.numel()
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        for layer in self.layers:
+            n += sum(t.numel() for t in vars(layer).values() if t is not None)
+        return n
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(pos.max()) + 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            D = self.cfg.head_dim
+            inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+            freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            self._rope_len = n
+        return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append tokens [B, T] at each row's cache length; return logits [B, T, V]."""
+        c = self.cfg
+        B, T = tokens.shape
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        G = H // Hkv
+        pos = cache.positions(T)  # [B, T]
+        cos, sin = self._rope(pos)
+        x = F.embedding(tokens, self.embed)  # [B, T, hidden]
+        S = None
+        mask = None
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            k = k.view(B, T, Hkv, D).transpose(1, 2)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            S = cache.write(i, pos, k, v)
+            if mask is None:
+                # [B, 1, G*T, S]: query t of row b sees keys at positions <= pos[b, t]
+                allowed = torch.arange(S).view(1, 1, S) <= pos.view(B, T, 1)
+                mask = allowed.unsqueeze(1).repeat(1, 1, G, 1)
+            keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]
+            # grouped-query attention without copying K/V: fold the G query heads of each
+            # kv head into the query-length axis
+            qg = q.reshape(B, Hkv, G * T, D)
+            attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+            attn = attn.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            x = x + F.linear(attn, layer.w_o, layer.b_o)
+            h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+        cache.advance(T)
+        x = _rms_norm(x, self.final_norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head)

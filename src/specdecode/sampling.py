@@ -1,0 +1,128 @@
+"""Sampling parameters and the one function that turns logits into a sampling distribution.
+
+The same warp is applied to the target's and the drafter's logits; the target's warped
+distribution is the one the output must follow. Temperature 0 means greedy: the
+distribution is one-hot on the argmax (first index on ties), so the general acceptance
+rule and the greedy rule agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SpecDecodeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one sequence. top_k=0, top_p=1 and min_p=0 switch a filter off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Raise SpecDecodeError naming the first bad field and its allowed range."""
+        if not self.temperature >= 0:
+            raise SpecDecodeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecDecodeError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SpecDecodeError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise SpecDecodeError(f"min-p must be in [0, 1), got {self.min_p}")
+        if self.max_new_tokens < 1:
+            raise SpecDecodeError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if any(s == "" for s in self.stop):
+            raise SpecDecodeError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class Warp:
+    """Per-row sampling parameters as tensors, so one call warps a whole ragged batch."""
+
+    temperature: torch.Tensor  # [B] float
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams]) -> Warp:
+        return Warp(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+    def select(self, rows: torch.Tensor) -> Warp:
+        return Warp(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
+
+
+def logits_to_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
+    """Warp logits [B, T, V] into probabilities [B, T, V]: temperature, top-k, top-p, min-p.
+
+    Rows with temperature 0 get a one-hot distribution on the argmax. Filters are applied in
+    that order (as transformers does); each keeps at least the most likely token.
+    """
+    # compute in at least fp32; float64 models stay float64
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    B, _, V = logits.shape
+    temp = warp.temperature.to(dtype).view(B, 1, 1)
+    greedy = temp == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)
+    probs = torch.softmax(scaled, dim=-1)
+
+    if bool((warp.top_k > 0).any()) or bool((warp.top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(V).view(1, 1, V)
+        k = torch.where(warp.top_k > 0, warp.top_k, torch.full_like(warp.top_k, V)).view(B, 1, 1)
+        drop_sorted = rank >= k
+        # top-p: keep the smallest prefix whose mass reaches top_p (mass before a token < top_p)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted |= mass_before >= warp.top_p.to(dtype).view(B, 1, 1)
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool((warp.min_p > 0).any()):
+        top = probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < warp.min_p.to(dtype).view(B, 1, 1) * top, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
+    """Draw one token per distribution: argmax(probs / E) with E ~ Exp(1) is an exact sample.
+
+    probs [..., V], exp_noise [..., V] -> tokens [...]. No host sync.
+    """
+    return (probs / exp_noise).argmax(-1)
