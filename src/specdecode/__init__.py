@@ -1,9 +1,9 @@
 """specdecode: exact speculative decoding.
 
-    from specdecode import load, SpeculativeGenerator, SamplingParams
-    target = load("three-kingdoms/target")
-    gen = SpeculativeGenerator(target, draft=load("three-kingdoms/draft-64"), k=4)
-    gen.generate(["孔明曰：「"], SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
+from specdecode import load, SpeculativeGenerator, SamplingParams
+target = load("three-kingdoms/target")
+gen = SpeculativeGenerator(target, draft=load("three-kingdoms/draft-64"), k=4)
+gen.generate(["孔明曰：「"], SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
 """
 
 from .engine import GenerationResult, RoundEvent, SpeculativeGenerator

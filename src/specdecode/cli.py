@@ -30,11 +30,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="generate text from a prompt (speculative when --draft or --method is given)",
         description="Generate from TARGET. With --draft (or --method) the drafter proposes --k tokens "
         "per round and TARGET verifies them in one forward; without, plain target-only decoding. "
-        "Sampling output follows TARGET's distribution exactly; --temperature 0 gives TARGET's greedy tokens.",
+        "Sampling output follows TARGET's distribution exactly; --temperature 0 gives TARGET's "
+        "greedy tokens.",
     )
     g.add_argument("--target", required=True, metavar="MODEL", help="bundled name or Hugging Face model dir")
     g.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
-    g.add_argument("--method", help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle")
+    g.add_argument(
+        "--method", help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle"
+    )
     g.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     g.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
@@ -43,14 +46,20 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below P x the top probability")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: fresh randomness)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    g.add_argument("--num-return-sequences", type=int, default=1, help="independent samples, run as one batch")
+    g.add_argument(
+        "--num-return-sequences", type=int, default=1, help="independent samples, run as one batch"
+    )
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-text token")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--trace", metavar="FILE.jsonl", help="write one JSON line per row per round")
-    g.add_argument("--backend", default="auto", choices=("auto", "lean", "hf"),
-                   help="model runtime: our lean Llama runtime, transformers, or auto (default)")
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "lean", "hf"),
+        help="model runtime: our lean Llama runtime, transformers, or auto (default)",
+    )
 
     m = sub.add_parser(
         "init-model",
@@ -59,7 +68,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "tokenizer files) that transformers and specdecode load offline. For tests and experiments.",
     )
     m.add_argument("out", metavar="OUT", help="output directory")
-    m.add_argument("--vocab", type=int, required=True, help="vocabulary size (>= 258 gives a byte-level tokenizer)")
+    m.add_argument(
+        "--vocab", type=int, required=True, help="vocabulary size (>= 258 gives a byte-level tokenizer)"
+    )
     m.add_argument("--layers", type=int, required=True)
     m.add_argument("--dim", type=int, required=True, help="hidden size")
     m.add_argument("--seed", type=int, default=0)
@@ -110,7 +121,8 @@ def _generate(args: argparse.Namespace) -> int:
             trace = open(args.trace, "w", encoding="utf-8")  # noqa: SIM115
         except OSError as e:
             raise SpecDecodeError(f"cannot write --trace file {args.trace}: {e.strerror}") from None
-    stream_text = not args.json and n == 1 and target.tokenizer is not None
+    # stream as rounds finish (not with stop strings: the stop text must not be shown)
+    stream_text = not args.json and n == 1 and target.tokenizer is not None and not args.stop
     shown = ""
     events = gen.stream([args.prompt] * n, [params] * n)
     tokens: list[int] = []
@@ -143,7 +155,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(rest)
     else:
         for i, r in enumerate(results):
-            print(f"--- sample {i}" if n > 1 else "", r.text if target.tokenizer else r.token_ids, sep="\n" if n > 1 else "")
+            if n > 1:
+                print(f"--- sample {i}")
+            print(r.text if target.tokenizer is not None else r.token_ids)
     print(
         f"[{stats.new_tokens} tokens in {stats.wall_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s; "
         f"{stats.rounds} rounds, {stats.tokens_per_forward:.2f} tokens per target forward"

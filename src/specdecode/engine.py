@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import METHODS, DraftModelDrafter, Drafter
+from .drafters import METHODS, Drafter, DraftModelDrafter
 from .errors import SpecDecodeError
 from .models.base import CausalLM, extend
 from .sampling import SamplingParams, Warp, logits_to_probs
@@ -33,7 +33,9 @@ class Batch:
         self.tokens = torch.zeros(B, self.capacity, dtype=torch.long)  # [B, capacity]
         for b, p in enumerate(prompts):
             self.tokens[b, : len(p)] = torch.tensor(p)
-        self.lengths = self.prompt_lengths.clone()  # [B] context length, last token not yet in the target cache
+        self.lengths = (
+            self.prompt_lengths.clone()
+        )  # [B] context length, last token not yet in the target cache
         self.rows = torch.arange(B)  # [B] original row index of each live row
         self.params = list(params)
         self.warp = Warp.from_params(params)
@@ -191,7 +193,9 @@ class SpeculativeGenerator:
 
     # -- the loop -----------------------------------------------------------------------
     def stream(
-        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Generation:
         """Start a batch: iterate the returned Generation for one RoundEvent per round, then
         call its results()."""
@@ -199,7 +203,9 @@ class SpeculativeGenerator:
         return Generation(self, ids, plist)
 
     def generate(
-        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (one batch); results in prompt order."""
         return self.stream(prompts, params).results()
@@ -274,15 +280,21 @@ class SpeculativeGenerator:
         if self.drafter is not None:
             self.drafter.commit(kept)
         n_emit = verdict.num_emitted
+        # live rows have lengths <= prompt + max_new - 1, so pos < capacity (see Batch)
         pos = batch.lengths.view(B, 1) + torch.arange(k + 1).view(1, k + 1)
-        pos = pos.clamp(max=batch.capacity - 1)
         write = torch.arange(k + 1).view(1, k + 1) < n_emit.view(B, 1)
         batch.tokens.scatter_(1, pos, torch.where(write, verdict.tokens, batch.tokens.gather(1, pos)))
         batch.lengths = batch.lengths + n_emit
         return self._emit(batch, verdict, draft_tokens, round_no, eos, state)
 
     def _emit(
-        self, batch: Batch, verdict: Verdict, draft_tokens: torch.Tensor, round_no: int, eos: torch.Tensor, state: dict
+        self,
+        batch: Batch,
+        verdict: Verdict,
+        draft_tokens: torch.Tensor,
+        round_no: int,
+        eos: torch.Tensor,
+        state: dict,
     ) -> RoundEvent:
         """Apply the stop rules (max_new_tokens, EOS, stop strings) and record stats."""
         tokens = verdict.tokens.tolist()
@@ -326,7 +338,9 @@ class SpeculativeGenerator:
                 st.position_accepted[j] += accepted[i][j]
         return RoundEvent(round_no, rows, draft_tokens, verdict, emitted, finished)
 
-    def _apply_stop(self, out: list[int], new: list[int], stops: tuple[str, ...]) -> tuple[list[int], str | None]:
+    def _apply_stop(
+        self, out: list[int], new: list[int], stops: tuple[str, ...]
+    ) -> tuple[list[int], str | None]:
         """Cut new tokens after the one that completes a stop string; the text ends before it."""
         tok = self.target.tokenizer
         for j in range(len(new)):

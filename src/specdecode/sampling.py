@@ -101,10 +101,9 @@ def logits_to_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(V).view(1, 1, V)
         k = torch.where(warp.top_k > 0, warp.top_k, torch.full_like(warp.top_k, V)).view(B, 1, 1)
-        drop_sorted = rank >= k
         # top-p: keep the smallest prefix whose mass reaches top_p (mass before a token < top_p)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted |= mass_before >= warp.top_p.to(dtype).view(B, 1, 1)
+        drop_sorted = (rank >= k) | (mass_before >= warp.top_p.to(dtype).view(B, 1, 1))
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)

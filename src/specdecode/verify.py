@@ -66,7 +66,9 @@ def verify_chain(
     # accept iff u < p/q, written u*q < p so q = 0 or p = 0 need no special case
     ok = uniforms.to(target_prob.dtype) * draft_prob < target_prob
     accept_prob = torch.where(
-        draft_prob > 0, (target_prob / draft_prob.clamp_min(1e-300)).clamp(max=1.0), (target_prob > 0).to(target_prob.dtype)
+        draft_prob > 0,
+        (target_prob / draft_prob.clamp_min(1e-300)).clamp(max=1.0),
+        (target_prob > 0).to(target_prob.dtype),
     )
     accepted = _leading_run(ok)
     accepted_mask = torch.arange(k).view(1, k) < accepted.view(B, 1)

@@ -85,8 +85,12 @@ def load(name_or_path: str | os.PathLike, *, backend: str = "auto", dtype: torch
     if use_lean:
         try:
             model = LlamaModel.from_dir(path, dtype)
+        except KeyError as e:
+            raise SpecDecodeError(f"{path}: weight {e} is missing; is this a Llama checkpoint?") from None
         except NotImplementedError as e:
-            raise SpecDecodeError(f"{path}: our runtime cannot run this model ({e}); use backend='hf'") from None
+            raise SpecDecodeError(
+                f"{path}: our runtime cannot run this model ({e}); use backend='hf'"
+            ) from None
     else:
         model = HFModel.from_dir(path, dtype)
     model.name = str(name_or_path)

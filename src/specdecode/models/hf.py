@@ -9,11 +9,28 @@ that honours attention_mask and position_ids; slower than our own runtime.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from .tokenizer import TextTokenizer
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No transformers progress bars while loading or saving weights (restored afterwards)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 class HFCache:
@@ -32,12 +49,13 @@ class HFCache:
         lengths = lengths.to(torch.long)
         if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
             raise ValueError("rewind can only shorten rows")
-        self.live &= self.live.cumsum(1) <= lengths.view(-1, 1)
+        self.live = self.live & (self.live.cumsum(1) <= lengths.view(-1, 1))
         used = self.live.any(0).nonzero()
         keep = int(used.max()) + 1 if used.numel() else 0
-        if keep < self.live.shape[1]:
+        drop = self.live.shape[1] - keep
+        if drop > 0:
             self.live = self.live[:, :keep]
-            self.past.crop(keep)
+            self.past.crop(-drop)  # a negative count removes that many (old and new transformers)
         self.lengths = lengths.clone()
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -51,6 +69,9 @@ class HFModel:
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.model = model.eval()
+        # transformers 5.x renamed past_key_values to cache; accept both
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.dtype = dtype
         self.vocab_size = int(model.config.vocab_size)
         self.name = ""
@@ -62,7 +83,8 @@ class HFModel:
     def from_dir(path: Path, dtype: torch.dtype = torch.float32) -> HFModel:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
         return HFModel(model, dtype)
 
     def num_parameters(self) -> int:
@@ -71,7 +93,7 @@ class HFModel:
     def new_cache(self, batch_size: int, capacity: int) -> HFCache:
         return HFCache(batch_size, capacity)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: HFCache) -> torch.Tensor:
         B, T = tokens.shape
         pos = cache.lengths.view(B, 1) + torch.arange(T).view(1, T)
@@ -80,10 +102,10 @@ class HFModel:
             input_ids=tokens,
             attention_mask=live.long(),
             position_ids=pos,
-            past_key_values=cache.past,
             use_cache=True,
+            **{self._cache_arg: cache.past},
         )
-        cache.past = out.past_key_values
+        cache.past = getattr(out, "cache", None) or out.past_key_values
         cache.live = live
         cache.lengths = cache.lengths + T
         return out.logits.to(self.dtype)

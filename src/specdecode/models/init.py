@@ -9,11 +9,19 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecDecodeError
+from .hf import quiet_transformers
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
 # characters of the small (char-level) vocabularies, most useful first
-_CHARS = string.ascii_lowercase + " " + string.digits + ".,!?'\"-:;()\n" + string.ascii_uppercase + "[]{}<>=+*/_#@$%&|\\^`~\t"
+_CHARS = (
+    string.ascii_lowercase
+    + " "
+    + string.digits
+    + ".,!?'\"-:;()\n"
+    + string.ascii_uppercase
+    + "[]{}<>=+*/_#@$%&|\\^`~\t"
+)
 
 
 def make_tokenizer(vocab_size: int):
@@ -88,8 +96,11 @@ def init_model(
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(out))
     tok = PreTrainedTokenizerFast(tokenizer_object=make_tokenizer(vocab), eos_token=EOS)
-    tok.save_pretrained(str(out))
-    (out / "specdecode.json").write_text(json.dumps({"created_by": "specdecode init-model", "seed": seed}) + "\n")
+    with quiet_transformers():
+        model.save_pretrained(str(out))
+        tok.save_pretrained(str(out))
+    (out / "specdecode.json").write_text(
+        json.dumps({"created_by": "specdecode init-model", "seed": seed}) + "\n"
+    )
     return out

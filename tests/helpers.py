@@ -1,0 +1,73 @@
+"""Shared test helpers: tiny random checkpoints and the statistical exactness check."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from scipy import stats
+
+from specdecode.models.init import init_model
+
+
+def noisy_copy(src: Path, out: Path, noise: float, seed: int) -> Path:
+    """A draft that partly agrees with its target: the target's weights plus Gaussian noise."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(seed)
+    for f in src.glob("*.safetensors"):
+        w = load_file(str(f))
+        w = {
+            k: (v + noise * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype)).contiguous()
+            for k, v in w.items()
+        }
+        save_file(w, str(out / f.name), metadata={"format": "pt"})
+    return out
+
+
+def tiny_pair(root: Path, vocab: int = 64, noise: float = 0.05, init_std: float = 0.3) -> tuple[Path, Path]:
+    """A random target (2 layers, GQA) and a noisy copy of it as the draft."""
+    target = init_model(
+        root / "target", vocab=vocab, layers=2, dim=32, seed=0, heads=4, kv_heads=2, init_std=init_std
+    )
+    return target, noisy_copy(target, root / "draft", noise=noise, seed=1)
+
+
+def tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+def tv_noise_threshold(p: np.ndarray, n: int, sims: int = 64, seed: int = 0) -> float:
+    """Mean + 4 std of TV(empirical, p) for n direct draws from p, from `sims` simulations."""
+    rng = np.random.default_rng(seed)
+    tvs = [tv(rng.multinomial(n, p), p) for _ in range(sims)]
+    return float(np.mean(tvs) + 4 * np.std(tvs))
+
+
+def chi2_pvalue(counts: np.ndarray, p: np.ndarray) -> float:
+    """Chi-square goodness of fit of counts to p; bins with expected count < 5 are pooled.
+    Any count on a zero-probability token gives p-value 0."""
+    n = counts.sum()
+    if counts[p == 0].sum() > 0:
+        return 0.0
+    expected = n * p
+    small = (expected < 5) & (p > 0)
+    obs = np.append(counts[expected >= 5], counts[small].sum())
+    exp = np.append(expected[expected >= 5], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    exp = exp * obs.sum() / exp.sum()
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def check_distribution(samples: np.ndarray, p: np.ndarray) -> tuple[bool, str]:
+    """True when samples are consistent with p: TV within sampling noise AND chi-square p > 1e-4."""
+    counts = np.bincount(samples, minlength=len(p)).astype(np.float64)
+    n = int(counts.sum())
+    d, limit, pv = tv(counts, p), tv_noise_threshold(p, n), chi2_pvalue(counts, p)
+    return (d <= limit and pv > 1e-4), f"TV {d:.5f} (noise limit {limit:.5f}), chi-square p {pv:.3g}, n {n}"

@@ -1,0 +1,311 @@
+"""The engine: greedy equivalence with target-only decoding, batching, stopping, and the
+joint distribution of sampled outputs through the whole engine."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution
+from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.models.init import init_model
+from specdecode.sampling import Warp, logits_to_probs
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def models(pair_dir):
+    target, draft = pair_dir
+    return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
+
+
+def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: recompute the whole sequence every step, no cache tricks."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model.forward(torch.tensor([seq]), model.new_cache(1, len(seq)))
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def target_greedy(models):
+    target, _ = models
+    return [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
+
+
+def test_target_only_decoding_matches_naive_reference(models, target_greedy):
+    target, _ = models
+    for prompt, got in list(zip(PROMPTS, target_greedy))[:4]:
+        assert got == naive_greedy(target, prompt, GREEDY.max_new_tokens)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_speculative_greedy_equals_target_greedy_batch_1(models, target_greedy, k):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=k)
+    accepted = 0
+    for prompt, want in zip(PROMPTS, target_greedy):
+        (r,) = gen.generate([prompt], GREEDY)
+        assert r.token_ids == want, f"prompt {prompt}"
+        accepted += r.stats.accepted
+    assert accepted > 0  # the draft agrees often enough for acceptance paths to run
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_speculative_greedy_equals_target_greedy_batch_4(models, target_greedy, k):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=k)
+    for i in range(0, len(PROMPTS), 4):
+        results = gen.generate(PROMPTS[i : i + 4], GREEDY)
+        assert [r.token_ids for r in results] == target_greedy[i : i + 4]
+
+
+def test_each_batched_row_equals_the_same_prompt_alone(models):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=3)
+    batched = gen.generate(PROMPTS[:6], GREEDY)
+    for prompt, r in zip(PROMPTS[:6], batched):
+        assert r.token_ids == gen.generate([prompt], GREEDY)[0].token_ids
+
+
+def test_rows_stop_independently_on_max_new_tokens(models, target_greedy):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=4)
+    lengths = [1, 5, 24, 13]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    results = gen.generate(PROMPTS[:4], params)
+    for n, r, want in zip(lengths, results, target_greedy):
+        assert r.token_ids == want[:n]
+        assert r.finish_reason == "length"
+
+
+def test_row_stops_at_eos_while_others_continue(models, target_greedy):
+    target, draft = models
+    # make the 4th greedy token of prompt 0 the end-of-text token
+    eos = target_greedy[0][3]
+    assert eos not in target_greedy[1][:24] or target_greedy[1].index(eos) > 3
+    target.eos_token_ids = (eos,)
+    try:
+        gen = SpeculativeGenerator(target, draft=draft, k=4)
+        params = SamplingParams(temperature=0, max_new_tokens=24)
+        r0, r1 = gen.generate(PROMPTS[:2], params)
+    finally:
+        target.eos_token_ids = (0,)
+    assert r0.token_ids == target_greedy[0][: target_greedy[0].index(eos) + 1]
+    assert r0.finish_reason == "eos"
+    cut = target_greedy[1].index(eos) + 1 if eos in target_greedy[1] else 24
+    assert r1.token_ids == target_greedy[1][:cut]
+
+
+def test_stop_string_ends_the_row_and_is_cut_from_the_text(models):
+    target, _ = models
+    gen = SpeculativeGenerator(target)
+    full = gen.generate(["abc"], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))[0]
+    stop = full.text[5:7]
+    r = gen.generate(
+        ["abc"], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=(stop,))
+    )[0]
+    assert r.finish_reason == "stop"
+    assert r.text == full.text[: full.text.find(stop)]
+    assert full.token_ids[: len(r.token_ids)] == r.token_ids
+
+
+def test_seeded_sampling_is_reproducible(models):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=4)
+    p = SamplingParams(temperature=1.0, max_new_tokens=32, seed=123, ignore_eos=True)
+    assert gen.generate(PROMPTS[:3], p)[2].token_ids == gen.generate(PROMPTS[:3], p)[2].token_ids
+
+
+def test_stats_count_rounds_tokens_and_acceptance_consistently(models):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=4)
+    p = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0, ignore_eos=True)
+    run = gen.stream([PROMPTS[3]], p)
+    events = list(run)
+    (r,) = run.results()
+    st = r.stats
+    records = [rec for e in events for rec in e.records()]
+    assert st.rounds == st.target_forwards == len(records)
+    assert st.drafted == 4 * st.rounds
+    assert st.accepted == sum(sum(rec.accepted) for rec in records)
+    assert [t for rec in records for t in rec.emitted_token_ids] == r.token_ids
+    assert st.new_tokens == len(r.token_ids) == 40
+    for rec in records:
+        a = sum(rec.accepted)
+        assert rec.accepted == [True] * a + [False] * (4 - a)
+        assert rec.how[:a] == ["accepted"] * min(a, len(rec.how))
+        assert rec.how[-1] in ("resampled", "bonus", "accepted")
+        assert all((u is None) == (i > a) for i, u in enumerate(rec.uniform))
+        for q, pp, ap in zip(rec.draft_prob, rec.target_prob, rec.accept_prob):
+            assert ap == pytest.approx(min(1.0, pp / q))
+    assert st.per_position_acceptance == sorted(st.per_position_acceptance, reverse=True)
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tmp_path, models):
+    target, _ = models
+    other = load(init_model(tmp_path / "v", vocab=80, layers=1, dim=16))
+    with pytest.raises(SpecDecodeError, match="target has 64 tokens, draft has 80"):
+        SpeculativeGenerator(target, draft=other)
+
+
+def test_bad_k_and_prompts_are_clear_errors(models):
+    target, draft = models
+    with pytest.raises(SpecDecodeError, match="k must be"):
+        SpeculativeGenerator(target, draft=draft, k=0)
+    with pytest.raises(SpecDecodeError, match="empty"):
+        SpeculativeGenerator(target).generate([""])
+    with pytest.raises(SpecDecodeError, match="token ids must be in"):
+        SpeculativeGenerator(target).generate([[1, 99]])
+
+
+# -- sampling exactness through the whole engine ------------------------------------------
+
+RUNS = 60_000
+PROMPT = [5, 9, 2]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_models(tmp_path_factory):
+    from helpers import noisy_copy
+
+    root = tmp_path_factory.mktemp("v16")
+    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
+    d = noisy_copy(t, root / "d", noise=0.15, seed=6)
+    return load(t, dtype=torch.float64), load(d, dtype=torch.float64)
+
+
+def exact_joint(target, params: SamplingParams) -> np.ndarray:
+    """P(x1, x2 | PROMPT) under the target's warped distribution, from full forwards."""
+    V = target.vocab_size
+    warp = Warp.from_params([params])
+    first = target.forward(torch.tensor([PROMPT]), target.new_cache(1, 8))[:, -1:]
+    p1 = logits_to_probs(first, warp)[0, 0]
+    seqs = torch.tensor([PROMPT + [x] for x in range(V)])
+    second = target.forward(seqs, target.new_cache(V, 8))[:, -1:]
+    p2 = logits_to_probs(second, Warp.from_params([params] * V))[:, 0]
+    return (p1.view(V, 1) * p2).numpy().ravel()
+
+
+@pytest.mark.parametrize(
+    ("k", "params"),
+    [
+        (1, SamplingParams(temperature=1.0)),
+        (3, SamplingParams(temperature=1.0)),
+        (2, SamplingParams(temperature=0.8, top_p=0.9, top_k=8)),
+    ],
+    ids=["k1-T1", "k3-T1", "k2-warped"],
+)
+def test_two_token_joint_through_engine_equals_target(small_vocab_models, k, params):
+    target, draft = small_vocab_models
+    params = SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        max_new_tokens=2,
+        seed=2024 + k,
+        ignore_eos=True,
+    )
+    gen = SpeculativeGenerator(target, draft=draft, k=k)
+    results = gen.generate([PROMPT] * RUNS, params)
+    pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
+    joint = exact_joint(target, params)
+    ok, msg = check_distribution(pairs, joint)
+    assert ok, msg
+    # the test exercised both rejections and acceptances
+    rate = sum(r.stats.accepted for r in results) / sum(r.stats.drafted for r in results)
+    assert 0.2 < rate < 0.95, rate
+
+
+def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypatch):
+    """Negative control: the engine with resample-from-p after rejection must fail the check."""
+    import specdecode.engine as engine_mod
+    from specdecode.sampling import sample
+    from specdecode.verify import verify_chain
+
+    def biased(draft_tokens, draft_probs, target_probs, uniforms, noise):
+        v = verify_chain(draft_tokens, draft_probs, target_probs, uniforms, noise)
+        B, k = draft_tokens.shape
+        rejected = v.accepted < k
+        at = v.accepted.clamp(max=k).view(B, 1, 1).expand(B, 1, target_probs.shape[-1])
+        redraw = sample(target_probs.gather(1, at).squeeze(1), noise)
+        v.tokens.scatter_(
+            1,
+            v.accepted.view(B, 1),
+            torch.where(rejected, redraw, v.tokens.gather(1, v.accepted.view(B, 1)).squeeze(1)).view(B, 1),
+        )
+        return v
+
+    monkeypatch.setattr(engine_mod, "verify_chain", biased)
+    target, draft = small_vocab_models
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=7, ignore_eos=True)
+    results = SpeculativeGenerator(target, draft=draft, k=1).generate([PROMPT] * RUNS, params)
+    pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
+    ok, msg = check_distribution(pairs, exact_joint(target, params))
+    assert not ok, msg
+
+
+def test_prompts_of_one_token_and_mixed_lengths_work(models):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=2)
+    solo = [gen.generate([p], GREEDY)[0].token_ids for p in ([3], [1, 2, 3, 4, 5, 6, 7])]
+    both = [r.token_ids for r in gen.generate([[3], [1, 2, 3, 4, 5, 6, 7]], GREEDY)]
+    assert solo == both
+
+
+def test_mixed_greedy_and_sampled_rows_in_one_batch(models, target_greedy):
+    target, draft = models
+    gen = SpeculativeGenerator(target, draft=draft, k=3)
+    params = [GREEDY, SamplingParams(temperature=1.0, max_new_tokens=24, seed=1, ignore_eos=True)] * 2
+    results = gen.generate(PROMPTS[:4], params)
+    assert results[0].token_ids == target_greedy[0]
+    assert results[2].token_ids == target_greedy[2]
+    assert all(len(r.token_ids) == 24 for r in results)
+
+
+def test_draft_in_other_runtime_gives_target_greedy(tmp_path):
+    """A transformers GPT-2 target with a lean-runtime Llama draft of the same vocabulary."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=128, initializer_range=0.3)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    target = load(tmp_path / "gpt2", dtype=torch.float64)
+    draft = load(init_model(tmp_path / "d", vocab=64, layers=1, dim=16, seed=1), dtype=torch.float64)
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS[:4], GREEDY)]
+    for k in (1, 4):
+        got = [
+            r.token_ids for r in SpeculativeGenerator(target, draft=draft, k=k).generate(PROMPTS[:4], GREEDY)
+        ]
+        assert got == want
+    assert want[0] == naive_greedy(target, PROMPTS[0], GREEDY.max_new_tokens)
+
+
+def test_every_k_and_batch_combination_is_consistent_for_the_hf_adapter(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.3,
+        )
+    ).save_pretrained(tmp_path / "q")
+    target = load(tmp_path / "q", dtype=torch.float64)
+    from helpers import noisy_copy
+
+    draft = load(noisy_copy(tmp_path / "q", tmp_path / "qd", noise=0.05, seed=2), dtype=torch.float64)
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS[:4], GREEDY)]
+    for k, b in itertools.product((2, 5), (1, 4)):
+        gen = SpeculativeGenerator(target, draft=draft, k=k)
+        got = [r.token_ids for i in range(0, 4, b) for r in gen.generate(PROMPTS[i : i + b], GREEDY)]
+        assert got == want, (k, b)
