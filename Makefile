@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install lint clean
+.PHONY: test demo install lint clean
 
 $(BIN)/specdecode: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ install: $(BIN)/specdecode
 
 lint: install
 	$(BIN)/ruff check .
+
+# the main job: speculative decoding on the bundled model pairs, coloured, with the speed-up
+demo: install
+	$(BIN)/specdecode demo
 
 test: install
 	$(BIN)/ruff check .

@@ -77,7 +77,113 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, default=None, help="attention heads (default dim // 32, at least 1)")
     m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = heads)")
     m.add_argument("--init-std", type=float, default=0.02, help="std of the random weights (default 0.02)")
+    t = sub.add_parser(
+        "train",
+        help="train a model family (tokenizer + target + drafts) on a corpus",
+        description="Train a byte-level BPE tokenizer on CORPUS (5%% held out), then every model of the "
+        "family on the same token stream for the same number of steps. Each model directory keeps "
+        "its lowest held-out loss checkpoint (fp16 safetensors, Hugging Face format).",
+    )
+    t.add_argument("--corpus", required=True, metavar="FILE|DIR", help="a text file, or a directory of files")
+    t.add_argument("--family", required=True, help="three-kingdoms or python-code")
+    t.add_argument("--out", required=True, metavar="DIR", help="writes DIR/<model>/ for every model")
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps (family default)")
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence (family default)")
+    t.add_argument("--batch-size", type=int, default=None, help="sequences per step (family default)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (family default)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
+    t.add_argument("--resume", action="store_true", help="continue the unfinished run in --out")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    c = sub.add_parser(
+        "model-card",
+        help="write MODEL_CARD.md for every model of a trained family",
+        description="Write MODEL_CARD.md into every model directory under DIR from its training.json, "
+        "measuring each draft's acceptance against the family's target (k = 4, T = 1 and T = 0) on "
+        "prompts from the held-out 5%% of the corpus.",
+    )
+    c.add_argument("dir", metavar="DIR", help="a family directory written by `specdecode train`")
+    c.add_argument(
+        "--corpus", default=None, help="the training corpus (default: the path recorded at training)"
+    )
+    c.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
+    c.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    d = sub.add_parser(
+        "demo",
+        help="speculative decoding on the bundled model pairs, coloured, with the measured speed-up",
+        description="Run the bundled three-kingdoms and python-code pairs: stream the text with each token "
+        "coloured by how it was produced (accepted draft / resampled / bonus), then a table of acceptance, "
+        "tokens per target forward, the formula (1 - a^(k+1))/(1 - a), and the wall-clock speed-up over "
+        "target-only decoding measured in the same run.",
+    )
+    d.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--repeats", type=int, default=3, help="timed runs per decoding mode (default 3)")
+    d.add_argument("--json", action="store_true", help="also print the table rows as JSON")
     return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    from .sampling import SamplingParams
+
+    if args.k < 1:
+        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
+    if args.repeats < 1:
+        raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}")
+    SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)  # validates
+    rows = run_demo(
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        repeats=args.repeats,
+    )
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+def _model_card(args: argparse.Namespace) -> int:
+    from .train.model_card import write_model_cards
+
+    for path in write_model_cards(args.dir, args.corpus, prompts=args.prompts, new_tokens=args.new_tokens):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train.families import FAMILIES
+    from .train.trainer import train_family
+
+    family = FAMILIES.get(args.family)
+    if family is None:
+        raise SpecDecodeError(f"unknown --family {args.family!r}; choose one of {', '.join(FAMILIES)}")
+    result = train_family(
+        family,
+        args.corpus,
+        args.out,
+        steps=args.steps or family.steps,
+        seq_len=args.seq_len or family.seq_len,
+        batch_size=args.batch_size or family.batch_size,
+        lr=args.lr or family.lr,
+        seed=args.seed,
+        resume=args.resume,
+        eval_every=args.eval_every,
+        progress=not args.no_progress,
+    )
+    from .train.model_card import write_model_cards
+
+    write_model_cards(args.out, args.corpus)
+    for m in result["models"]:
+        print(
+            f"{args.out}/{m['name']}: {m['params']:,} params, best held-out loss {m['best_val_loss']:.4f} "
+            f"at step {m['best_step']}, {m['train_seconds']:.0f} s",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -189,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "train":
+            return _train(args)
+        if args.command == "model-card":
+            return _model_card(args)
+        if args.command == "demo":
+            return _demo(args)
         return _init_model(args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)

@@ -1,0 +1,82 @@
+"""Model families: models trained together on one corpus with one tokenizer.
+
+The three-kingdoms shapes reproduce the lesson's parameter counts exactly (3,688,704 /
+1,066,112 / 332,352 at vocab 2,048): Llama blocks with tied embeddings and an MLP width of
+8/3 * dim rounded up to a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def mlp_width(dim: int) -> int:
+    return 16 * math.ceil(8 * dim / 3 / 16)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    dim: int
+    layers: int
+    head_dim: int = 32
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.dim // self.head_dim)
+
+    def num_parameters(self, vocab: int) -> int:
+        """Parameters of this shape with tied embeddings (embedding + blocks + final norm)."""
+        d, i = self.dim, mlp_width(self.dim)
+        return vocab * d + self.layers * (4 * d * d + 3 * d * i + 2 * d) + d
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    vocab: int
+    models: tuple[ModelSpec, ...]  # the first is the target
+    file_glob: str  # which files of a corpus directory to read
+    steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    demo_prompt: str
+
+    @property
+    def target(self) -> ModelSpec:
+        return self.models[0]
+
+    def default_corpus(self) -> Path:
+        if self.name == "python-code":
+            return Path(sysconfig.get_paths()["stdlib"])
+        return Path(__file__).resolve().parents[4] / "shared" / "corpora" / "three_kingdoms.txt"
+
+
+FAMILIES: dict[str, Family] = {
+    "three-kingdoms": Family(
+        name="three-kingdoms",
+        vocab=2048,
+        models=(ModelSpec("target", 256, 4), ModelSpec("draft-128", 128, 4), ModelSpec("draft-64", 64, 4)),
+        file_glob="*.txt",
+        steps=800,
+        seq_len=256,
+        batch_size=16,
+        lr=3e-3,
+        demo_prompt="孔明曰：「",
+    ),
+    "python-code": Family(
+        name="python-code",
+        vocab=4096,
+        models=(ModelSpec("target", 320, 6), ModelSpec("draft", 128, 2)),
+        file_glob="*.py",
+        steps=1000,
+        seq_len=256,
+        batch_size=16,
+        lr=2e-3,
+        demo_prompt="def fibonacci(n):\n",
+    ),
+}

@@ -1,0 +1,142 @@
+"""MODEL_CARD.md for every model of a trained family, written from training.json and from
+measurements: a draft's acceptance against its target at T = 1 and T = 0, k = 4, on
+held-out text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecDecodeError
+from .data import read_corpus
+from .families import FAMILIES, mlp_width
+
+
+def heldout_prompts(model_dir: Path, corpus: str | Path, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` tokens, evenly spaced over the held-out split of the corpus."""
+    from ..models.tokenizer import TextTokenizer
+
+    meta = json.loads((model_dir / "training.json").read_text())
+    family = FAMILIES[meta["family"]]
+    text = read_corpus(corpus, family.file_glob)
+    tok = TextTokenizer.from_dir(model_dir)
+    ids = [t for doc in text.valid for t in tok.encode(doc)]
+    if len(ids) < length + 1:
+        raise SpecDecodeError(f"held-out text of {corpus} is too short for {length}-token prompts")
+    starts = np.linspace(0, len(ids) - length - 1, n).astype(int)
+    return [ids[s : s + length] for s in starts]
+
+
+def measure_acceptance(
+    target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, k: int = 4, seed: int = 0
+) -> dict:
+    """Acceptance rate and tokens per target forward of draft against target, T = 1 and T = 0."""
+    from ..engine import SpeculativeGenerator
+    from ..models import load
+    from ..sampling import SamplingParams
+    from ..stats import GenerationStats
+
+    gen = SpeculativeGenerator(load(target_dir), draft=load(draft_dir), k=k)
+    out = {}
+    for name, temp in (("T=1", 1.0), ("T=0", 0.0)):
+        params = SamplingParams(temperature=temp, max_new_tokens=new_tokens, seed=seed, ignore_eos=True)
+        res = gen.generate(prompts, params)
+        st = GenerationStats.merge([r.stats for r in res], res[0].stats.wall_s)
+        out[name] = {
+            "acceptance_rate": st.acceptance_rate,
+            "tokens_per_forward": st.tokens_per_forward,
+            "per_position_acceptance": st.per_position_acceptance,
+        }
+    return out
+
+
+def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measured_on: str) -> str:
+    m, c, corpus = meta["model"], meta["config"], meta["corpus"]
+    dim, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    lines = [
+        f"# {meta['family']}/{model_dir.name}",
+        "",
+        f"The {meta['role']} of the `{meta['family']}` family of specdecode, trained from scratch by "
+        "`specdecode train` (this card is written by `specdecode model-card`).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {m['params']:,} |",
+        f"| architecture | Llama, {layers} layers, dim {dim}, {cfg['num_attention_heads']} heads, "
+        f"MLP {mlp_width(dim)}, tied embeddings |",
+        f"| vocabulary | {cfg['vocab_size']:,} (byte-level BPE, `tokenizers`) |",
+        f"| corpus | `{Path(corpus['corpus']).name}`: {corpus['files']:,} file(s), "
+        f"{corpus['characters']:,} characters; {corpus['train_tokens']:,} training / "
+        f"{corpus['valid_tokens']:,} held-out tokens (5%) |",
+        f"| Python (corpus and training) | {corpus['python']} |",
+        f"| steps | {c['steps']:,} (batch {c['batch_size']} x {c['seq_len']} tokens, AdamW, "
+        f"peak lr {c['lr']}, cosine, clip {c['clip']}, weight decay {c['weight_decay']}, seed {c['seed']}) |",
+        f"| tokens seen | {meta['tokens_seen']:,} |",
+        f"| checkpoint | step {m['best_step']:,} (lowest held-out loss) |",
+        f"| held-out loss | {m['best_val_loss']:.4f} |",
+        f"| training loss at the end | {m['train_loss']:.4f} |",
+        f"| training time | {m['train_seconds'] / 60:.1f} min (this model's share, 2-core CPU) |",
+        "",
+    ]
+    if acceptance:
+        lines += [
+            f"## Acceptance against `{meta['family']}/{meta['target']}` (k = 4)",
+            "",
+            f"Measured by speculative decoding with the engine on {measured_on}.",
+            "",
+            "| temperature | acceptance rate | tokens per target forward | per-position acceptance |",
+            "|---|---|---|---|",
+        ]
+        for name, a in acceptance.items():
+            pos = ", ".join(f"{x:.2f}" for x in a["per_position_acceptance"])
+            lines.append(
+                f"| {name[2:]} | {a['acceptance_rate']:.3f} | {a['tokens_per_forward']:.2f} | {pos} |"
+            )
+        lines.append("")
+    hist = m.get("history") or []
+    if hist:
+        lines += [
+            "## Held-out loss during training",
+            "",
+            "| step | training loss | held-out loss |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {s} | {t:.4f} | {v:.4f} |" for s, t, v in hist]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_model_cards(
+    family_dir: str | Path,
+    corpus: str | Path | None = None,
+    prompts: int = 8,
+    prompt_tokens: int = 32,
+    new_tokens: int = 64,
+) -> list[Path]:
+    """Write MODEL_CARD.md into every model directory of a trained family directory."""
+    family_dir = Path(family_dir)
+    dirs = sorted(p for p in family_dir.iterdir() if (p / "training.json").exists())
+    if not dirs:
+        raise SpecDecodeError(f"{family_dir} has no trained models (no */training.json)")
+    metas = {d: json.loads((d / "training.json").read_text()) for d in dirs}
+    target = next((d for d in dirs if metas[d]["role"] == "target"), None)
+    corpus = corpus or metas[dirs[0]]["corpus"]["corpus"]
+    if target is not None and not Path(corpus).exists():
+        raise SpecDecodeError(f"corpus {corpus} not found; pass --corpus to measure acceptance")
+    held = heldout_prompts(target, corpus, prompts, prompt_tokens) if target is not None else []
+    measured_on = (
+        f"{prompts} held-out prompts of {prompt_tokens} tokens, {new_tokens} new tokens each (seed 0, fp32)"
+    )
+    written = []
+    for d in dirs:
+        acc = None
+        if metas[d]["role"] == "draft" and target is not None:
+            acc = measure_acceptance(target, d, held, new_tokens)
+            metas[d]["acceptance"] = acc
+            (d / "training.json").write_text(json.dumps(metas[d], indent=1) + "\n")
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "MODEL_CARD.md").write_text(_card(d, metas[d], cfg, acc, measured_on))
+        written.append(d / "MODEL_CARD.md")
+    return written

@@ -1,0 +1,293 @@
+"""`specdecode train`: one tokenizer, one token stream, every model of a family trained on
+the same batches for the same number of steps (AdamW, warmup + cosine, gradient clipping).
+
+Each model's checkpoint is its lowest held-out loss so far (the small corpora here are
+memorised if trained too long: stop near the held-out minimum). Resumable from
+OUT/.train/state.pt; deterministic for a seed (batches are a function of seed and step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpecDecodeError
+from .data import EOS, batch_at, encode_stream, eval_windows, read_corpus, train_tokenizer
+from .families import Family, ModelSpec, mlp_width
+
+
+@dataclass
+class TrainConfig:
+    family: str
+    corpus: str
+    steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    seed: int
+    eval_every: int
+    eval_windows: int = 64
+    weight_decay: float = 0.1
+    clip: float = 1.0
+
+
+@dataclass
+class ModelLog:
+    name: str
+    params: int
+    best_val_loss: float = float("inf")
+    best_step: int = 0
+    train_loss: float = float("nan")
+    train_seconds: float = 0.0
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train, val)
+
+
+def _hf_config(spec: ModelSpec, vocab: int, eos_id: int, seq_len: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=spec.dim,
+        intermediate_size=mlp_width(spec.dim),
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=max(4096, seq_len),
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+        initializer_range=0.02,
+    )
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    warmup = max(1, cfg.steps // 20)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return 0.1 * cfg.lr + 0.45 * cfg.lr * (1 + math.cos(math.pi * progress))
+
+
+def _optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+@torch.no_grad()
+def _val_loss(model, windows: np.ndarray, batch_size: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        b = torch.from_numpy(windows[i : i + batch_size])
+        logits = model(input_ids=b[:, :-1], use_cache=False).logits
+        total += F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten(), reduction="sum").item()
+        count += b[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def _save_model(model, tok, out: Path, log: ModelLog, meta: dict) -> None:
+    """A Hugging Face model directory in fp16 with tokenizer and training metadata."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ..models.hf import quiet_transformers
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    half = type(model)(model.config)
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.float16)
+    with quiet_transformers():
+        half.save_pretrained(str(tmp))
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(str(tmp))
+    (tmp / "training.json").write_text(json.dumps(meta | {"model": asdict(log)}, indent=1) + "\n")
+    if out.exists():
+        card = out / "MODEL_CARD.md"
+        if card.exists():
+            shutil.copy(card, tmp / "MODEL_CARD.md")
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def train_family(
+    family: Family,
+    corpus: str | Path,
+    out: str | Path,
+    *,
+    steps: int,
+    seq_len: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    resume: bool = False,
+    eval_every: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train every model of `family`; write OUT/<model>/ directories. Returns the metadata."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    for name, v in (("--steps", steps), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if v < 1:
+            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
+    if not lr > 0:
+        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
+    out = Path(out)
+    state_dir = out / ".train"
+    cfg = TrainConfig(
+        family.name, str(corpus), steps, seq_len, batch_size, lr, seed, eval_every or max(10, steps // 12)
+    )
+    state_path = state_dir / "state.pt"
+    if resume and not state_path.exists():
+        raise SpecDecodeError(f"--resume: no training state in {state_dir}; start without --resume")
+    if not resume and state_path.exists():
+        raise SpecDecodeError(
+            f"{out} holds an unfinished run; pass --resume to continue it or remove {state_dir}"
+        )
+    state_dir.mkdir(parents=True, exist_ok=True)
+
+    if resume:
+        saved = json.loads((state_dir / "config.json").read_text())
+        mismatch = {
+            k: (v, getattr(cfg, k)) for k, v in saved.items() if k not in ("steps",) and getattr(cfg, k) != v
+        }
+        if mismatch:
+            raise SpecDecodeError(f"--resume with different settings {mismatch}; use the original ones")
+        tok = Tokenizer.from_file(str(state_dir / "tokenizer.json"))
+        train_ids = np.load(state_dir / "train.npy")
+        val_ids = np.load(state_dir / "valid.npy")
+        corpus_meta = json.loads((state_dir / "corpus.json").read_text())
+    else:
+        text = read_corpus(corpus, family.file_glob)
+        tok = train_tokenizer(text.train, family.vocab)
+        train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
+        tok.save(str(state_dir / "tokenizer.json"))
+        np.save(state_dir / "train.npy", train_ids)
+        np.save(state_dir / "valid.npy", val_ids)
+        corpus_meta = {
+            "corpus": text.source,
+            "files": text.files,
+            "characters": text.chars,
+            "train_tokens": int(len(train_ids)),
+            "valid_tokens": int(len(val_ids)),
+            "tokenizer_vocab": tok.get_vocab_size(),
+            "python": platform.python_version(),
+        }
+        (state_dir / "corpus.json").write_text(json.dumps(corpus_meta, indent=1) + "\n")
+        (state_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+
+    eos_id = tok.token_to_id(EOS)
+    windows = eval_windows(val_ids, seq_len, cfg.eval_windows)
+    models, opts, logs = [], [], []
+    for spec in family.models:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
+        models.append(model)
+        opts.append(_optimizer(model, cfg))
+        logs.append(ModelLog(spec.name, sum(p.numel() for p in model.parameters())))
+    start = 0
+    if resume:
+        st = torch.load(state_path, weights_only=False)
+        start = st["step"]
+        for m, o, s_m, s_o in zip(models, opts, st["models"], st["opts"]):
+            m.load_state_dict(s_m)
+            o.load_state_dict(s_o)
+        logs = [ModelLog(**d) for d in st["logs"]]
+
+    def meta_for(spec: ModelSpec) -> dict:
+        return {
+            "family": family.name,
+            "role": "target" if spec is family.target else "draft",
+            "target": family.target.name,
+            "config": asdict(cfg),
+            "corpus": corpus_meta,
+            "tokens_seen": cfg.steps * batch_size * seq_len,
+            "torch": torch.__version__,
+        }
+
+    def checkpoint(step: int) -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save(
+            {
+                "step": step,
+                "models": [m.state_dict() for m in models],
+                "opts": [o.state_dict() for o in opts],
+                "logs": [asdict(x) for x in logs],
+            },
+            tmp,
+        )
+        os.replace(tmp, state_path)
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = [
+        TextColumn("[bold]{task.fields[family]}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
+    t_start = time.perf_counter()
+    tokens_per_step = batch_size * seq_len
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task("train", total=steps, completed=start, family=family.name, info="")
+        for step in range(start, steps):
+            batch = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len))
+            x, y = batch[:, :-1], batch[:, 1:]
+            lr_now = _lr_at(step, cfg)
+            for model, opt, log in zip(models, opts, logs):
+                t0 = time.perf_counter()
+                for g in opt.param_groups:
+                    g["lr"] = lr_now
+                logits = model(input_ids=x, use_cache=False).logits
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+                opt.step()
+                log.train_loss = loss.item()
+                log.train_seconds += time.perf_counter() - t0
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == steps:
+                for model, log, spec in zip(models, logs, family.models):
+                    val = _val_loss(model, windows, batch_size)
+                    log.history.append((done, log.train_loss, val))
+                    if val < log.best_val_loss:
+                        log.best_val_loss, log.best_step = val, done
+                        _save_model(model, tok, out / spec.name, log, meta_for(spec))
+                checkpoint(done)
+                if not progress:
+                    vals = " ".join(f"{lg.name} {lg.history[-1][2]:.4f}" for lg in logs)
+                    print(
+                        f"step {done}/{steps} held-out loss: {vals} ({time.perf_counter() - t_start:.0f} s)",
+                        flush=True,
+                    )
+            elapsed = time.perf_counter() - t_start
+            rate = (done - start) * tokens_per_step / max(elapsed, 1e-9)
+            info = " ".join(f"{lg.name} {lg.train_loss:.2f}" for lg in logs)
+            best = " ".join(f"{lg.best_val_loss:.2f}" for lg in logs if lg.history)
+            bar.update(task, completed=done, info=f"loss {info} | val {best or '-'} | {rate:,.0f} tok/s")
+    # final metadata (best checkpoints are already on disk)
+    for spec, log in zip(family.models, logs):
+        path = out / spec.name / "training.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            data["model"] = asdict(log)
+            path.write_text(json.dumps(data, indent=1) + "\n")
+    shutil.rmtree(state_dir)
+    return {"family": family.name, "models": [asdict(x) for x in logs], "corpus": corpus_meta}

@@ -1,0 +1,171 @@
+"""`specdecode train` end to end on a tiny budget, so the recipe never rots: tokenizer,
+held-out split, family training, resume, Hugging Face loading, model cards, demo."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdecode.cli import main
+from specdecode.train import data as data_mod
+from specdecode.train.data import read_corpus, train_tokenizer
+from specdecode.train.families import FAMILIES
+from specdecode.train.trainer import train_family
+
+TINY = dict(steps=12, seq_len=32, batch_size=4, lr=3e-3, seed=0, eval_every=4, progress=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """About 60 KB of varied text: enough for a 2,048-token BPE vocabulary to be mostly used."""
+    rng = random.Random(0)
+    words = [
+        "孔明",
+        "曹操",
+        "刘备",
+        "关羽",
+        "张飞",
+        "曰",
+        "：「",
+        "」",
+        "。",
+        "，",
+        "兵",
+        "马",
+        "城",
+        "军",
+        "the",
+        "army",
+        "river",
+        "gate",
+        "said",
+        "night",
+        "fire",
+        "ship",
+        "east",
+        "wind",
+    ]
+    lines = ["".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(2500)]
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def test_corpus_split_holds_out_five_percent_and_tokenizer_knows_every_byte(corpus):
+    text = read_corpus(corpus)
+    held = sum(map(len, text.valid)) / (sum(map(len, text.train)) + sum(map(len, text.valid)))
+    assert 0.03 < held < 0.07
+    tok = train_tokenizer(text.train, 512)
+    sample = "孔明曰：「x🙂 ü」"  # characters absent from the corpus still encode (byte-level)
+    assert tok.decode(tok.encode(sample).ids) == sample
+
+
+def test_family_trains_writes_loadable_checkpoints_and_cards(corpus, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "tk"
+    code = main(
+        [
+            "train",
+            "--corpus",
+            str(corpus),
+            "--family",
+            "three-kingdoms",
+            "--out",
+            str(out),
+            "--steps",
+            "20",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for spec in FAMILIES["three-kingdoms"].models:
+        d = out / spec.name
+        model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
+        assert sum(p.numel() for p in model.parameters()) == spec.num_parameters(2048)
+        assert AutoTokenizer.from_pretrained(d, local_files_only=True).encode("孔明")
+        assert all(t.dtype == torch.float16 for t in load_file(str(d / "model.safetensors")).values())
+        card = (d / "MODEL_CARD.md").read_text()
+        assert "held-out loss" in card and f"{spec.num_parameters(2048):,}" in card
+        meta = json.loads((d / "training.json").read_text())
+        assert meta["model"]["best_step"] > 0
+    assert "acceptance rate" in (out / "draft-64" / "MODEL_CARD.md").read_text()
+    assert not (out / ".train").exists()
+
+    # the demo runs on whatever bundled pairs exist (here only this tiny three-kingdoms family)
+    out.rename(tmp_path / "three-kingdoms")
+    monkeypatch.setenv("SPECDECODE_MODELS", str(tmp_path))
+    assert main(["demo", "--max-new-tokens", "12", "--repeats", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["family"] for r in rows] == ["three-kingdoms"]
+    assert rows[0]["tokens_per_forward"] >= 1 and rows[0]["speedup"] > 0
+
+
+def weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_resumed_run_equals_uninterrupted_run(corpus, tmp_path, monkeypatch):
+    family = FAMILIES["three-kingdoms"]
+    train_family(family, corpus, tmp_path / "full", **TINY)
+
+    real = data_mod.batch_at
+
+    def crash_at_step_9(stream, step, *a, **kw):
+        if step == 9:
+            raise KeyboardInterrupt
+        return real(stream, step, *a, **kw)
+
+    import specdecode.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "batch_at", crash_at_step_9)
+    with pytest.raises(KeyboardInterrupt):
+        train_family(family, corpus, tmp_path / "resumed", **TINY)
+    assert (tmp_path / "resumed" / ".train" / "state.pt").exists()
+    monkeypatch.setattr(trainer_mod, "batch_at", real)
+    train_family(family, corpus, tmp_path / "resumed", resume=True, **TINY)
+    for spec in family.models:
+        a, b = weights(tmp_path / "full" / spec.name), weights(tmp_path / "resumed" / spec.name)
+        assert all(torch.equal(a[k], b[k]) for k in a), spec.name
+
+
+def test_bad_training_input_is_a_clear_error(corpus, tmp_path, capsys):
+    assert (
+        main(
+            [
+                "train",
+                "--corpus",
+                str(tmp_path / "none.txt"),
+                "--family",
+                "three-kingdoms",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--corpus", str(corpus), "--family", "nope", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown --family" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "train",
+                "--corpus",
+                str(corpus),
+                "--family",
+                "three-kingdoms",
+                "--out",
+                str(tmp_path / "o"),
+                "--resume",
+            ]
+        )
+        == 2
+    )
+    assert "no training state" in capsys.readouterr().err
