@@ -309,3 +309,17 @@ def test_every_k_and_batch_combination_is_consistent_for_the_hf_adapter(tmp_path
         gen = SpeculativeGenerator(target, draft=draft, k=k)
         got = [r.token_ids for i in range(0, 4, b) for r in gen.generate(PROMPTS[i : i + b], GREEDY)]
         assert got == want, (k, b)
+
+
+def test_sequence_longer_than_learned_positions_is_a_clear_error(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    ).save_pretrained(tmp_path / "g")
+    gen = SpeculativeGenerator(load(tmp_path / "g"))
+    with pytest.raises(SpecDecodeError, match="exceeds its 32 positions"):
+        gen.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40))
+    assert (
+        len(gen.generate([[1, 2, 3]], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids) == 20
+    )

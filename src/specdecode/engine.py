@@ -236,6 +236,13 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         k = self.k if self.drafter is not None else 0
         batch = Batch(ids, params, k)
+        for model in (self.target, getattr(self.drafter, "model", None)):
+            limit = getattr(model, "max_positions", None)
+            if limit is not None and batch.capacity > limit:
+                raise SpecDecodeError(
+                    f"{model.name or model.path}: prompt + max_new_tokens + k + 1 = {batch.capacity} tokens "
+                    f"exceeds its {limit} positions; shorten the prompt or lower max_new_tokens"
+                )
         cache = self.target.new_cache(batch.size, batch.capacity)
         if int(batch.lengths.max()) > 1:  # prefill all but the last prompt token
             extend(self.target, cache, batch.tokens, batch.lengths - 1)

@@ -74,6 +74,8 @@ class HFModel:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.dtype = dtype
         self.vocab_size = int(model.config.vocab_size)
+        # learned absolute positions (GPT-2 family) cap the sequence length; RoPE models don't
+        self.max_positions: int | None = getattr(model.config, "n_positions", None)
         self.name = ""
         self.path = Path()
         self.tokenizer: TextTokenizer | None = None

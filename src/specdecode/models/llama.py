@@ -148,6 +148,7 @@ class LlamaModel:
         self.path = Path()
         self.tokenizer: TextTokenizer | None = None
         self.eos_token_ids: tuple[int, ...] = ()
+        self.max_positions: int | None = None  # RoPE: no hard limit
 
     @staticmethod
     def from_dir(path: Path, dtype: torch.dtype = torch.float32) -> LlamaModel:

@@ -14,6 +14,12 @@ from .data import read_corpus
 from .families import FAMILIES, mlp_width
 
 
+def peak_lr_for(config: dict, dim: int) -> float:
+    from .trainer import LR_BASE_DIM
+
+    return config["lr"] * (LR_BASE_DIM / dim) ** 0.5
+
+
 def heldout_prompts(model_dir: Path, corpus: str | Path, n: int, length: int) -> list[list[int]]:
     """n prompts of `length` tokens, evenly spaced over the held-out split of the corpus."""
     from ..models.tokenizer import TextTokenizer
@@ -72,7 +78,8 @@ def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measu
         f"{corpus['valid_tokens']:,} held-out tokens (5%) |",
         f"| Python (corpus and training) | {corpus['python']} |",
         f"| steps | {c['steps']:,} (batch {c['batch_size']} x {c['seq_len']} tokens, AdamW, "
-        f"peak lr {c['lr']}, cosine, clip {c['clip']}, weight decay {c['weight_decay']}, seed {c['seed']}) |",
+        f"peak lr {meta.get('peak_lr') or peak_lr_for(c, dim):.2g}, cosine, clip {c['clip']}, "
+        f"weight decay {c['weight_decay']}, seed {c['seed']}) |",
         f"| tokens seen | {meta['tokens_seen']:,} |",
         f"| checkpoint | step {m['best_step']:,} (lowest held-out loss) |",
         f"| held-out loss | {m['best_val_loss']:.4f} |",

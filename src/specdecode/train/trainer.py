@@ -71,12 +71,22 @@ def _hf_config(spec: ModelSpec, vocab: int, eos_id: int, seq_len: int):
     )
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
+LR_BASE_DIM = 64
+
+
+def peak_lr(cfg: TrainConfig, dim: int) -> float:
+    """--lr is the peak for a dim-64 model; wider models get lr * sqrt(64 / dim) (a wide
+    target at the narrow drafts' rate learned slower than they did)."""
+    return cfg.lr * math.sqrt(LR_BASE_DIM / dim)
+
+
+def _lr_at(step: int, cfg: TrainConfig, peak: float) -> float:
+    """Linear warmup over 5% of the steps, then cosine decay to 10% of the peak."""
     warmup = max(1, cfg.steps // 20)
     if step < warmup:
-        return cfg.lr * (step + 1) / warmup
+        return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, cfg.steps - warmup)
-    return 0.1 * cfg.lr + 0.45 * cfg.lr * (1 + math.cos(math.pi * progress))
+    return 0.1 * peak + 0.45 * peak * (1 + math.cos(math.pi * progress))
 
 
 def _optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -212,6 +222,7 @@ def train_family(
             "family": family.name,
             "role": "target" if spec is family.target else "draft",
             "target": family.target.name,
+            "peak_lr": peak_lr(cfg, spec.dim),
             "config": asdict(cfg),
             "corpus": corpus_meta,
             "tokens_seen": cfg.steps * batch_size * seq_len,
@@ -249,9 +260,9 @@ def train_family(
         for step in range(start, steps):
             batch = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len))
             x, y = batch[:, :-1], batch[:, 1:]
-            lr_now = _lr_at(step, cfg)
-            for model, opt, log in zip(models, opts, logs):
+            for model, opt, log, spec in zip(models, opts, logs, family.models):
                 t0 = time.perf_counter()
+                lr_now = _lr_at(step, cfg, peak_lr(cfg, spec.dim))
                 for g in opt.param_groups:
                     g["lr"] = lr_now
                 logits = model(input_ids=x, use_cache=False).logits

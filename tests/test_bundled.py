@@ -1,0 +1,54 @@
+"""The bundled, trained checkpoints: loadable by name, by transformers offline, and consistent."""
+
+import json
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator, load
+from specdecode.models import BUNDLED, models_dir
+
+present = [n for n in BUNDLED if (models_dir() / n / "config.json").exists()]
+pytestmark = pytest.mark.skipif(not present, reason="no bundled models in this checkout")
+
+
+@pytest.mark.parametrize("name", present)
+def test_bundled_model_loads_by_name_and_in_transformers_offline(name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours = load(name)
+    ref = AutoModelForCausalLM.from_pretrained(
+        models_dir() / name, local_files_only=True, dtype=torch.float32
+    )
+    tok = AutoTokenizer.from_pretrained(models_dir() / name, local_files_only=True)
+    ids = tok.encode("孔明曰：「" if name.startswith("three") else "def f(x):\n    return")
+    assert ids == ours.tokenizer.encode("孔明曰：「" if name.startswith("three") else "def f(x):\n    return")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = ref(x).logits
+    got = ours.forward(x, ours.new_cache(1, len(ids)))
+    assert (got - want).abs().max().item() < 1e-3
+    assert (models_dir() / name / "MODEL_CARD.md").exists()
+
+
+@pytest.mark.parametrize("family", sorted({n.split("/")[0] for n in present}))
+def test_family_shares_one_tokenizer_and_targets_have_lowest_heldout_loss(family):
+    names = [n for n in present if n.startswith(family + "/")]
+    metas = {n: json.loads((models_dir() / n / "training.json").read_text()) for n in names}
+    tokenizers = {(models_dir() / n / "tokenizer.json").read_text() for n in names}
+    assert len(tokenizers) == 1
+    target = f"{family}/target"
+    for n in names:
+        if n != target:
+            assert metas[target]["model"]["best_val_loss"] < metas[n]["model"]["best_val_loss"], n
+
+
+def test_bundled_pair_greedy_speculative_equals_target_only():
+    if "three-kingdoms/draft-64" not in present:
+        pytest.skip("three-kingdoms pair not bundled")
+    target = load("three-kingdoms/target", dtype=torch.float64)
+    draft = load("three-kingdoms/draft-64", dtype=torch.float64)
+    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    want = SpeculativeGenerator(target).generate(["孔明曰：「"], params)[0].token_ids
+    got = SpeculativeGenerator(target, draft=draft, k=4).generate(["孔明曰：「"], params)[0].token_ids
+    assert got == want
