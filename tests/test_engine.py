@@ -133,6 +133,8 @@ def test_stats_count_rounds_tokens_and_acceptance_consistently(models):
     assert st.rounds == st.target_forwards == len(records)
     assert st.drafted == 4 * st.rounds
     assert st.accepted == sum(sum(rec.accepted) for rec in records)
+    assert st.tested == sum(sum(u is not None for u in rec.uniform) for rec in records)
+    assert st.acceptance_rate == st.accepted / st.tested
     assert [t for rec in records for t in rec.emitted_token_ids] == r.token_ids
     assert st.new_tokens == len(r.token_ids) == 40
     for rec in records:

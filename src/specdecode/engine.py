@@ -336,6 +336,7 @@ class SpeculativeGenerator:
             kk = len(accepted[i])
             st.drafted += kk
             st.accepted += sum(accepted[i])
+            st.tested += min(sum(accepted[i]) + 1, kk)  # accepted ones and the first rejection
             if len(st.position_drafted) < kk:
                 pad = kk - len(st.position_drafted)
                 st.position_drafted += [0] * pad

@@ -12,14 +12,19 @@ class GenerationStats:
     """Totals for one row (or, merged, for a batch).
 
     target_forwards counts the target's decoding forwards (one per round; the prefill is not
-    counted), so tokens_per_forward = new_tokens / target_forwards. per_position_acceptance[i]
-    is the fraction of rounds whose draft position i was accepted (vLLM's convention: not
-    conditioned on reaching position i).
+    counted), so tokens_per_forward = new_tokens / target_forwards.
+    acceptance_rate = accepted / tested: the probability that a draft token the target
+    checked was accepted, Leviathan et al.'s alpha (= E[min(1, p/q)] = 1 - TV(p, q)), the
+    alpha of (1 - alpha^(k+1)) / (1 - alpha). Positions after a rejection are never tested.
+    draft_acceptance_rate = accepted / drafted (vLLM's figure; it also counts untested drafts).
+    per_position_acceptance[i] is the fraction of rounds whose draft position i was accepted
+    (vLLM's convention: not conditioned on reaching position i).
     """
 
     rounds: int = 0
     target_forwards: int = 0
     drafted: int = 0
+    tested: int = 0
     accepted: int = 0
     new_tokens: int = 0
     wall_s: float = 0.0
@@ -28,6 +33,10 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
+        return self.accepted / self.tested if self.tested else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -48,8 +57,10 @@ class GenerationStats:
             "rounds": self.rounds,
             "target_forwards": self.target_forwards,
             "drafted": self.drafted,
+            "tested": self.tested,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
             "tokens_per_forward": self.tokens_per_forward,
             "per_position_acceptance": self.per_position_acceptance,
             "new_tokens": self.new_tokens,
@@ -69,6 +80,7 @@ class GenerationStats:
             rounds=sum(p.rounds for p in parts),
             target_forwards=sum(p.target_forwards for p in parts),
             drafted=sum(p.drafted for p in parts),
+            tested=sum(p.tested for p in parts),
             accepted=sum(p.accepted for p in parts),
             new_tokens=sum(p.new_tokens for p in parts),
             wall_s=wall_s,

@@ -52,6 +52,7 @@ def measure_acceptance(
         st = GenerationStats.merge([r.stats for r in res], res[0].stats.wall_s)
         out[name] = {
             "acceptance_rate": st.acceptance_rate,
+            "draft_acceptance_rate": st.draft_acceptance_rate,
             "tokens_per_forward": st.tokens_per_forward,
             "per_position_acceptance": st.per_position_acceptance,
         }
@@ -93,13 +94,19 @@ def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measu
             "",
             f"Measured by speculative decoding with the engine on {measured_on}.",
             "",
-            "| temperature | acceptance rate | tokens per target forward | per-position acceptance |",
-            "|---|---|---|---|",
+            "α is the acceptance rate of the draft tokens the target checked (accepted / tested: "
+            "Leviathan et al.'s α, the α of (1 − α^(k+1)) / (1 − α)); accepted / drafted also counts "
+            "the drafts after a rejection, which are never checked.",
+            "",
+            "| temperature | acceptance rate α | accepted / drafted | tokens per target forward "
+            "| per-position acceptance |",
+            "|---|---|---|---|---|",
         ]
         for name, a in acceptance.items():
             pos = ", ".join(f"{x:.2f}" for x in a["per_position_acceptance"])
             lines.append(
-                f"| {name[2:]} | {a['acceptance_rate']:.3f} | {a['tokens_per_forward']:.2f} | {pos} |"
+                f"| {name[2:]} | {a['acceptance_rate']:.3f} | {a['draft_acceptance_rate']:.3f} "
+                f"| {a['tokens_per_forward']:.2f} | {pos} |"
             )
         lines.append("")
     hist = m.get("history") or []

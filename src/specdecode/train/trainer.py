@@ -80,6 +80,17 @@ def peak_lr(cfg: TrainConfig, dim: int) -> float:
     return cfg.lr * math.sqrt(LR_BASE_DIM / dim)
 
 
+def _scale_residual_init(model, layers: int) -> None:
+    """GPT-2's init: the projections that write into the residual stream (o_proj, down_proj)
+    start at std 0.02 / sqrt(2 * layers). With transformers' plain 0.02 everywhere, the dim-256
+    target learned slower per step than its dim-128 draft (held-out 6.00 vs 5.95 at step 100,
+    5.50 vs 5.34 at step 200); with this init it reached 5.60 at step 100."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(1 / math.sqrt(2 * layers))
+
+
 def _lr_at(step: int, cfg: TrainConfig, peak: float) -> float:
     """Linear warmup over 5% of the steps, then cosine decay to 10% of the peak."""
     warmup = max(1, cfg.steps // 20)
@@ -205,6 +216,7 @@ def train_family(
     for spec in family.models:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
+        _scale_residual_init(model, spec.layers)
         models.append(model)
         opts.append(_optimizer(model, cfg))
         logs.append(ModelLog(spec.name, sum(p.numel() for p in model.parameters())))
