@@ -93,17 +93,9 @@ def test_usage_errors_are_one_line_too(capsys):
 
 def test_json_has_the_contract_fields_and_speculative_equals_target_only(dirs, capsys):
     base = [
-        "generate",
-        "--target",
+        *"generate --target".split(),
         dirs["t"],
-        "--temperature",
-        "0",
-        "--prompt",
-        "ab",
-        "--max-new-tokens",
-        "32",
-        "--json",
-        "--ignore-eos",
+        *"--temperature 0 --prompt ab --max-new-tokens 32 --json --ignore-eos".split(),
     ]
     code, out, _ = run_cli(base + ["--draft", dirs["d"]], capsys)
     assert code == 0
@@ -118,21 +110,11 @@ def test_json_has_the_contract_fields_and_speculative_equals_target_only(dirs, c
 def test_num_return_sequences_gives_independent_samples(dirs, capsys):
     code, out, _ = run_cli(
         [
-            "generate",
-            "--target",
+            *"generate --target".split(),
             dirs["t"],
-            "--draft",
+            *"--draft".split(),
             dirs["d"],
-            "--prompt",
-            "ab",
-            "--seed",
-            "0",
-            "--num-return-sequences",
-            "4",
-            "--max-new-tokens",
-            "16",
-            "--json",
-            "--ignore-eos",
+            *"--prompt ab --seed 0 --num-return-sequences 4 --max-new-tokens 16 --json --ignore-eos".split(),
         ],
         capsys,
     )
@@ -148,20 +130,11 @@ def test_trace_writes_one_line_per_round_with_contract_fields(dirs, tmp_path, ca
     trace = tmp_path / "t.jsonl"
     code, out, _ = run_cli(
         [
-            "generate",
-            "--target",
+            *"generate --target".split(),
             dirs["t"],
-            "--draft",
+            *"--draft".split(),
             dirs["d"],
-            "--prompt",
-            "ab",
-            "--seed",
-            "3",
-            "--max-new-tokens",
-            "20",
-            "--json",
-            "--ignore-eos",
-            "--trace",
+            *"--prompt ab --seed 3 --max-new-tokens 20 --json --ignore-eos --trace".split(),
             str(trace),
         ],
         capsys,
@@ -180,18 +153,11 @@ def test_trace_writes_one_line_per_round_with_contract_fields(dirs, tmp_path, ca
 def test_plain_output_streams_text_and_reports_speed(dirs, capsys):
     code, out, err = run_cli(
         [
-            "generate",
-            "--target",
+            *"generate --target".split(),
             dirs["t"],
-            "--draft",
+            *"--draft".split(),
             dirs["d"],
-            "--prompt",
-            "ab",
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "8",
-            "--ignore-eos",
+            *"--prompt ab --temperature 0 --max-new-tokens 8 --ignore-eos".split(),
         ],
         capsys,
     )

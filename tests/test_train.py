@@ -21,32 +21,8 @@ TINY = dict(steps=12, seq_len=32, batch_size=4, lr=3e-3, seed=0, eval_every=4, p
 def corpus(tmp_path_factory):
     """About 60 KB of varied text: enough for a 2,048-token BPE vocabulary to be mostly used."""
     rng = random.Random(0)
-    words = [
-        "孔明",
-        "曹操",
-        "刘备",
-        "关羽",
-        "张飞",
-        "曰",
-        "：「",
-        "」",
-        "。",
-        "，",
-        "兵",
-        "马",
-        "城",
-        "军",
-        "the",
-        "army",
-        "river",
-        "gate",
-        "said",
-        "night",
-        "fire",
-        "ship",
-        "east",
-        "wind",
-    ]
+    words = "孔明 曹操 刘备 关羽 张飞 曰 ：「 」 。 ， 兵 马 城 军".split()
+    words += "the army river gate said night fire ship east wind".split()
     lines = ["".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(2500)]
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
     path.write_text("\n".join(lines), encoding="utf-8")
@@ -66,20 +42,11 @@ def test_family_trains_writes_loadable_checkpoints_and_cards(corpus, tmp_path, c
     out = tmp_path / "tk"
     code = main(
         [
-            "train",
-            "--corpus",
+            *"train --corpus".split(),
             str(corpus),
-            "--family",
-            "three-kingdoms",
-            "--out",
+            *"--family three-kingdoms --out".split(),
             str(out),
-            "--steps",
-            "20",
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "4",
-            "--no-progress",
+            *"--steps 20 --seq-len 32 --batch-size 4 --no-progress".split(),
         ]
     )
     assert code == 0
