@@ -103,6 +103,14 @@ def test_resumed_run_equals_uninterrupted_run(corpus, tmp_path, monkeypatch):
 
 
 def test_bad_training_input_is_a_clear_error(corpus, tmp_path, capsys):
+    # 0 is not "use the default": it is an error
+    args = ["train", "--corpus", str(corpus), "--family", "three-kingdoms", "--out", str(tmp_path / "z")]
+    assert main([*args, "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert main([*args, "--eval-every", "0"]) == 2
+    assert "--eval-every must be >= 1" in capsys.readouterr().err
+    assert main(["model-card", str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
     assert (
         main(
             [

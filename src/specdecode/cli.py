@@ -149,6 +149,12 @@ def _demo(args: argparse.Namespace) -> int:
 def _model_card(args: argparse.Namespace) -> int:
     from .train.model_card import write_model_cards
 
+    if args.prompts < 1 or args.new_tokens < 1:
+        raise SpecDecodeError("--prompts and --new-tokens must be >= 1")
+    if not Path(args.dir).is_dir():
+        raise SpecDecodeError(
+            f"{args.dir} is not a directory; pass a family directory written by `specdecode train`"
+        )
     for path in write_model_cards(args.dir, args.corpus, prompts=args.prompts, new_tokens=args.new_tokens):
         print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -165,10 +171,10 @@ def _train(args: argparse.Namespace) -> int:
         family,
         args.corpus,
         args.out,
-        steps=args.steps or family.steps,
-        seq_len=args.seq_len or family.seq_len,
-        batch_size=args.batch_size or family.batch_size,
-        lr=args.lr or family.lr,
+        steps=family.steps if args.steps is None else args.steps,
+        seq_len=family.seq_len if args.seq_len is None else args.seq_len,
+        batch_size=family.batch_size if args.batch_size is None else args.batch_size,
+        lr=family.lr if args.lr is None else args.lr,
         seed=args.seed,
         resume=args.resume,
         eval_every=args.eval_every,

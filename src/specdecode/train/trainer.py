@@ -164,6 +164,8 @@ def train_family(
     for name, v in (("--steps", steps), ("--seq-len", seq_len), ("--batch-size", batch_size)):
         if v < 1:
             raise SpecDecodeError(f"{name} must be >= 1, got {v}")
+    if eval_every is not None and eval_every < 1:
+        raise SpecDecodeError(f"--eval-every must be >= 1, got {eval_every}")
     if not lr > 0:
         raise SpecDecodeError(f"--lr must be > 0, got {lr}")
     out = Path(out)
