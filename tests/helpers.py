@@ -71,3 +71,35 @@ def check_distribution(samples: np.ndarray, p: np.ndarray) -> tuple[bool, str]:
     n = int(counts.sum())
     d, limit, pv = tv(counts, p), tv_noise_threshold(p, n), chi2_pvalue(counts, p)
     return (d <= limit and pv > 1e-4), f"TV {d:.5f} (noise limit {limit:.5f}), chi-square p {pv:.3g}, n {n}"
+
+
+def tiny_hf_model(
+    kind: str, out: Path, *, vocab: int, seed: int, init_std: float = 0.02, n_positions: int = 256
+) -> Path:
+    """A random non-Llama checkpoint (GPT-2 or Qwen2 layout) for the transformers adapter."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=vocab,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=n_positions,
+            initializer_range=init_std,
+        )
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=init_std,
+        )
+        model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(out)
+    return out

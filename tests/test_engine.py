@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution
+from helpers import check_distribution, tiny_hf_model
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.models.init import init_model
 from specdecode.sampling import Warp, logits_to_probs
@@ -271,11 +271,7 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch(models, target_greedy):
 
 def test_draft_in_other_runtime_gives_target_greedy(tmp_path):
     """A transformers GPT-2 target with a lean-runtime Llama draft of the same vocabulary."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=128, initializer_range=0.3)
-    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    tiny_hf_model("gpt2", tmp_path / "gpt2", vocab=64, seed=0, init_std=0.3, n_positions=128)
     target = load(tmp_path / "gpt2", dtype=torch.float64)
     draft = load(init_model(tmp_path / "d", vocab=64, layers=1, dim=16, seed=1), dtype=torch.float64)
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS[:4], GREEDY)]
@@ -288,20 +284,7 @@ def test_draft_in_other_runtime_gives_target_greedy(tmp_path):
 
 
 def test_every_k_and_batch_combination_is_consistent_for_the_hf_adapter(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1)
-    Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            initializer_range=0.3,
-        )
-    ).save_pretrained(tmp_path / "q")
+    tiny_hf_model("qwen2", tmp_path / "q", vocab=64, seed=1, init_std=0.3)
     target = load(tmp_path / "q", dtype=torch.float64)
     from helpers import noisy_copy
 

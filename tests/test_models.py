@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
+from helpers import tiny_hf_model
 from specdecode import SpecDecodeError, load
 from specdecode.models import HFModel, LlamaModel, extend
 from specdecode.models.init import init_model
@@ -25,20 +26,8 @@ def llama_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory, llama_dirs):
     root = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=256))
-    gpt2.save_pretrained(root / "gpt2")
-    qwen = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
-    qwen.save_pretrained(root / "qwen2")
+    tiny_hf_model("gpt2", root / "gpt2", vocab=96, seed=0)
+    tiny_hf_model("qwen2", root / "qwen2", vocab=96, seed=0)
     return {"gpt2": root / "gpt2", "qwen2": root / "qwen2"}
 
 
