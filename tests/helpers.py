@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from scipy import stats
 
+from specdecode.lab.stats import chi2_pvalue, noise_tvs, tv
 from specdecode.models.init import init_model
 
 
@@ -38,31 +38,10 @@ def tiny_pair(root: Path, vocab: int = 64, noise: float = 0.05, init_std: float 
     return target, noisy_copy(target, root / "draft", noise=noise, seed=1)
 
 
-def tv(counts: np.ndarray, p: np.ndarray) -> float:
-    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
-
-
 def tv_noise_threshold(p: np.ndarray, n: int, sims: int = 64, seed: int = 0) -> float:
     """Mean + 4 std of TV(empirical, p) for n direct draws from p, from `sims` simulations."""
-    rng = np.random.default_rng(seed)
-    tvs = [tv(rng.multinomial(n, p), p) for _ in range(sims)]
+    tvs = noise_tvs(p, n, sims, seed)
     return float(np.mean(tvs) + 4 * np.std(tvs))
-
-
-def chi2_pvalue(counts: np.ndarray, p: np.ndarray) -> float:
-    """Chi-square goodness of fit of counts to p; bins with expected count < 5 are pooled.
-    Any count on a zero-probability token gives p-value 0."""
-    n = counts.sum()
-    if counts[p == 0].sum() > 0:
-        return 0.0
-    expected = n * p
-    small = (expected < 5) & (p > 0)
-    obs = np.append(counts[expected >= 5], counts[small].sum())
-    exp = np.append(expected[expected >= 5], expected[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    exp = exp * obs.sum() / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 def check_distribution(samples: np.ndarray, p: np.ndarray) -> tuple[bool, str]:

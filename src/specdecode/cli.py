@@ -122,7 +122,190 @@ def _build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--repeats", type=int, default=3, help="timed runs per decoding mode (default 3)")
     d.add_argument("--json", action="store_true", help="also print the table rows as JSON")
+    _add_lab(sub)
+    _add_plan(sub)
     return parser
+
+
+LAB_HELP = {
+    "roofline": "compute vs weight-read lower bounds per forward on GPUs and this CPU",
+    "rules": "three acceptance rules drawn 200,000 times against the target's distribution",
+    "greedy": "speculative greedy output == target greedy output (4 prompts x 2 drafts x k in {2,4})",
+    "replay": "one sampled run, round by round (draft/target probs, uniforms, verdicts)",
+    "formula": "measured tokens per forward vs (1 - a^(k+1))/(1 - a); per-position acceptance",
+    "speedup": "speed-up vs k: Theorem 3.8 with measured alpha and c, next to wall clock",
+    "lesson2": "lesson 001's toy pattern experiments, and its two errors measured",
+    "report": "run every experiment; write report.html (plots embedded) and report.json",
+}
+
+
+def _add_lab(sub) -> None:
+    lab = sub.add_parser(
+        "lab",
+        help="rerun the lessons' experiments on the bundled models (tables, --json, --plot, report)",
+        description="Every experiment of the two source lessons, rerun on our models. Defaults: target "
+        "three-kingdoms/target, drafts three-kingdoms/draft-64 and draft-128, prompt 孔明曰：「.",
+    )
+    exps = lab.add_subparsers(dest="experiment", required=True, parser_class=_Parser, metavar="EXPERIMENT")
+    for name, text in LAB_HELP.items():
+        e = exps.add_parser(name, help=text, description=text)
+        e.add_argument(
+            "--target", default=None, metavar="MODEL", help="target model (default three-kingdoms/target)"
+        )
+        e.add_argument(
+            "--draft",
+            action="append",
+            default=None,
+            metavar="MODEL",
+            help="draft model, repeatable (default three-kingdoms/draft-64 and draft-128)",
+        )
+        e.add_argument("--prompt", default=None, help="the prompt (default 孔明曰：「)")
+        e.add_argument("--seed", type=int, default=0)
+        e.add_argument("--quick", action="store_true", help="fewer draws and runs, for a fast look")
+        e.add_argument("--no-progress", action="store_true", help="no progress bars")
+        if name == "report":
+            e.add_argument(
+                "--out", required=True, metavar="DIR", help="writes DIR/report.html and DIR/report.json"
+            )
+            continue
+        e.add_argument("--json", action="store_true", help="print every figure as one JSON object")
+        e.add_argument("--plot", metavar="FILE.png", help="save the experiment's plot")
+        if name == "roofline":
+            e.add_argument(
+                "--model", metavar="MODEL", help="a model directory or bundled name (its config.json)"
+            )
+            e.add_argument(
+                "--params",
+                type=float,
+                help="parameter count instead of --model (default 25.63e9, the lesson's anchor)",
+            )
+            e.add_argument("--dtype", default="bf16", help="weight type: fp32, bf16, fp16, fp8, int8, int4")
+            e.add_argument("--k", type=int, default=4, help="draft tokens: compare 1 and k + 1 positions")
+        if name == "rules":
+            e.add_argument("--draws", type=int, default=None, help="draws per rule (default 200,000)")
+        if name == "replay":
+            e.add_argument("--trace", metavar="FILE.jsonl", help="replay a `generate --trace` file instead")
+            e.add_argument("--k", type=int, default=4)
+            e.add_argument("--max-new-tokens", type=int, default=32)
+        if name == "formula":
+            e.add_argument("--k", type=int, default=4)
+
+
+def _add_plan(sub) -> None:
+    from .plan import PRESETS
+
+    p = sub.add_parser(
+        "plan",
+        help="predict speculative decoding speed-ups for big models on GPUs, by roofline simulation",
+        description="Simulate speculative decoding for a target and draft on a GPU: per-round time from the "
+        "roofline (weights + KV cache bytes vs operations for k + 1 positions x batch), tokens per round "
+        "from alpha, and the speed-up over target-only decoding by batch size and k, with the best k per "
+        f"batch. Model presets: {', '.join(PRESETS)}; or a config.json / model directory, or a parameter "
+        "count such as 8e9.",
+    )
+    p.add_argument("--target", default="llama-3.1-8b", help="target model (default llama-3.1-8b)")
+    p.add_argument("--draft", default="eagle3-llama-3.1-8b", help="draft model (default eagle3-llama-3.1-8b)")
+    p.add_argument("--hardware", default="h100-sxm", help="h100-sxm, h200, a100, rtx-4090 or cpu (measured)")
+    p.add_argument("--alpha", default="0.8", help="acceptance rate, or comma-separated per-position rates")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in each row's KV cache")
+    p.add_argument("--batch", default="1,2,4,8,16,32,64,128,256", help="comma-separated batch sizes")
+    p.add_argument("--max-k", type=int, default=8, help="largest k to consider (default 8)")
+    p.add_argument("--dtype", default="bf16", help="weight and KV type (default bf16)")
+    p.add_argument("--compute-efficiency", type=float, default=1.0, help="achieved fraction of peak FLOPs")
+    p.add_argument("--bandwidth-efficiency", type=float, default=1.0, help="achieved fraction of bandwidth")
+    p.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=0,
+        help="positions the target checks per row per round, for token trees (default k + 1, a chain)",
+    )
+    p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="save the speed-up vs batch plot")
+
+
+def _numbers(text: str, flag: str, kind=float) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecDecodeError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
+def _show(result, args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    if args.plot:
+        result.save_plot(args.plot)
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False, default=float))
+    else:
+        result.print(Console() if sys.stdout.isatty() else Console(width=200))
+        if args.plot:
+            print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import run_plan
+
+    result = run_plan(
+        target=args.target,
+        draft=args.draft,
+        hardware=args.hardware,
+        alphas=tuple(_numbers(args.alpha, "--alpha")),
+        context=args.context,
+        batches=tuple(_numbers(args.batch, "--batch", int)),
+        max_k=args.max_k,
+        dtype=args.dtype,
+        compute_efficiency=args.compute_efficiency,
+        bandwidth_efficiency=args.bandwidth_efficiency,
+        verify_tokens=args.verify_tokens,
+    )
+    return _show(result, args)
+
+
+def _lab(args: argparse.Namespace) -> int:
+    from .lab import LabConfig, run_experiment
+    from .lab.common import DRAFTS, PROMPT, PROMPTS, TARGET
+    from .models import resolve
+
+    target = args.target or TARGET
+    drafts = tuple(args.draft) if args.draft else DRAFTS
+    for m in (target, *drafts):
+        resolve(m)
+    if args.prompt == "":
+        raise SpecDecodeError("--prompt is empty; give at least one character")
+    prompt = args.prompt or PROMPT
+    prompts = PROMPTS if args.prompt is None else (prompt, *[p for p in PROMPTS if p != prompt][:3])
+    cfg = LabConfig(target, drafts, prompt, prompts, args.seed, args.quick, progress=not args.no_progress)
+    name = args.experiment
+    if name == "report":
+        from .lab.report import write_report
+
+        html, js, results = write_report(cfg, args.out)
+        failed = [f"{r.name}:{c}" for r in results.values() for c, ok in r.checks.items() if not ok]
+        print(
+            f"wrote {html} and {js}" + (f"; checks failing: {', '.join(failed)}" if failed else ""),
+            file=sys.stderr,
+        )
+        return 0
+    options = {}
+    if name == "roofline":
+        if args.k < 1:
+            raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
+        options = {"model": args.model, "params": args.params, "dtype": args.dtype, "k": args.k}
+    elif name == "rules" and args.draws is not None:
+        if args.draws < 100:
+            raise SpecDecodeError(f"--draws must be >= 100, got {args.draws}")
+        options = {"draws": args.draws}
+    elif name == "replay":
+        if args.k < 1 or args.max_new_tokens < 1:
+            raise SpecDecodeError("--k and --max-new-tokens must be >= 1")
+        options = {"trace": args.trace, "k": args.k, "new_tokens": args.max_new_tokens}
+    elif name == "formula":
+        if args.k < 1:
+            raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
+        options = {"k": args.k}
+    return _show(run_experiment(name, cfg, **options), args)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -307,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
             return _model_card(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "lab":
+            return _lab(args)
+        if args.command == "plan":
+            return _plan(args)
         return _init_model(args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
