@@ -52,3 +52,18 @@ def test_bundled_pair_greedy_speculative_equals_target_only():
     want = SpeculativeGenerator(target).generate(["孔明曰：「"], params)[0].token_ids
     got = SpeculativeGenerator(target, draft=draft, k=4).generate(["孔明曰：「"], params)[0].token_ids
     assert got == want
+
+
+def test_lab_on_bundled_three_kingdoms_greedy_identical_and_residual_within_noise():
+    from specdecode.lab import LabConfig, run_experiment
+
+    cfg = LabConfig(progress=False, quick=True)
+    greedy = run_experiment("greedy", cfg)
+    assert greedy.data["identical"] == greedy.data["cells_total"] == 16
+    rules = run_experiment(
+        "rules", LabConfig(drafts=cfg.drafts[:1], progress=False), draws=50_000, prompts=(cfg.prompt,)
+    )
+    (case,) = rules.data["cases"]
+    assert case["residual_tv"] < case["noise_tv_p99"]
+    assert case["resample_p_tv"] > 3 * case["noise_tv_p99"]
+    assert abs(case["resample_p_tv"] - case["resample_p_tv_theory"]) < 0.1 * case["resample_p_tv_theory"]

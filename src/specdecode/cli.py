@@ -208,7 +208,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--hardware", default="h100-sxm", help="h100-sxm, h200, a100, rtx-4090 or cpu (measured)")
     p.add_argument("--alpha", default="0.8", help="acceptance rate, or comma-separated per-position rates")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each row's KV cache")
-    p.add_argument("--batch", default="1,2,4,8,16,32,64,128,256", help="comma-separated batch sizes")
+    p.add_argument("--batch", default="1,2,4,8,16,32,64,128,256,512", help="comma-separated batch sizes")
     p.add_argument("--max-k", type=int, default=8, help="largest k to consider (default 8)")
     p.add_argument("--dtype", default="bf16", help="weight and KV type (default bf16)")
     p.add_argument("--compute-efficiency", type=float, default=1.0, help="achieved fraction of peak FLOPs")
@@ -265,7 +265,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _lab(args: argparse.Namespace) -> int:
     from .lab import LabConfig, run_experiment
-    from .lab.common import DRAFTS, PROMPT, PROMPTS, TARGET
+    from .lab.common import DRAFTS, PROMPTS, TARGET, family_prompts
     from .models import resolve
 
     target = args.target or TARGET
@@ -274,8 +274,9 @@ def _lab(args: argparse.Namespace) -> int:
         resolve(m)
     if args.prompt == "":
         raise SpecDecodeError("--prompt is empty; give at least one character")
-    prompt = args.prompt or PROMPT
-    prompts = PROMPTS if args.prompt is None else (prompt, *[p for p in PROMPTS if p != prompt][:3])
+    known = family_prompts(resolve(target)) or PROMPTS
+    prompt = args.prompt or known[0]
+    prompts = (prompt, *[p for p in known if p != prompt])[:4]
     cfg = LabConfig(target, drafts, prompt, prompts, args.seed, args.quick, progress=not args.no_progress)
     name = args.experiment
     if name == "report":

@@ -179,7 +179,7 @@ def run_plan(
     hardware: str = "h100-sxm",
     alphas: tuple[float, ...] = (0.8,),
     context: int = 1024,
-    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
     max_k: int = 8,
     dtype: str = "bf16",
     compute_efficiency: float = 1.0,

@@ -20,8 +20,22 @@ from ..errors import SpecDecodeError
 TARGET = "three-kingdoms/target"
 DRAFTS = ("three-kingdoms/draft-64", "three-kingdoms/draft-128")
 PROMPT = "孔明曰：「"
-SECOND_PROMPT = "却说曹操"  # the corpus is in simplified characters (卻說曹操)
+# the corpus is in simplified characters: 却说曹操 is the lessons' 卻說曹操
 PROMPTS = ("孔明曰：「", "却说曹操", "玄德曰：「", "话说天下大势")
+FAMILY_PROMPTS = {
+    "three-kingdoms": PROMPTS,
+    "python-code": ("def ", "import os\n", "class Test", "    return "),
+}
+
+
+def family_prompts(model_dir: Path) -> tuple[str, ...] | None:
+    """The lab's prompts for the family a model was trained in (training.json), if known."""
+    import json
+
+    meta = Path(model_dir) / "training.json"
+    if not meta.exists():
+        return None
+    return FAMILY_PROMPTS.get(json.loads(meta.read_text()).get("family"))
 
 
 @dataclass

@@ -9,7 +9,6 @@ import torch
 from ..theory import acceptance_from_probs, match_acceptance, resample_from_target_tv
 from ..verify import verify_chain
 from .common import (
-    SECOND_PROMPT,
     LabConfig,
     LabResult,
     Table,
@@ -94,7 +93,7 @@ def run(cfg: LabConfig, draws: int | None = None, prompts: tuple[str, ...] | Non
     cfg.check_pairs()
     n = draws or (50_000 if cfg.quick else 200_000)
     sims = 40 if cfg.quick else 100
-    prompts = prompts or (cfg.prompt, SECOND_PROMPT)
+    prompts = prompts or tuple(dict.fromkeys((cfg.prompt, *cfg.prompts[1:2])))  # two prefixes
     target = cfg.model(cfg.target)
     cases, rows = [], []
     jobs = [(d, pr) for d in cfg.drafts for pr in prompts]
