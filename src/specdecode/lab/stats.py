@@ -11,11 +11,14 @@ def tv(counts: np.ndarray, p: np.ndarray) -> float:
     return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
 
 
-def noise_tvs(p: np.ndarray, n: int, sims: int = 64, seed: int = 0) -> np.ndarray:
-    """TV(empirical, p) of n direct draws from p, for `sims` independent simulations: the
-    distance that sampling noise alone produces at this sample size."""
+def noise_tvs(
+    p: np.ndarray, n: int, sims: int = 64, seed: int = 0, draw_from: np.ndarray | None = None
+) -> np.ndarray:
+    """TV(empirical, p) of n direct draws from p (or from draw_from), for `sims` independent
+    simulations: the distance that sampling noise alone produces at this sample size."""
     rng = np.random.default_rng(seed)
-    return np.array([tv(rng.multinomial(n, p), p) for _ in range(sims)])
+    src = p if draw_from is None else draw_from
+    return np.array([tv(rng.multinomial(n, src), p) for _ in range(sims)])
 
 
 def chi2_pvalue(counts: np.ndarray, p: np.ndarray) -> float:
