@@ -229,8 +229,8 @@ def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypa
     from specdecode.sampling import sample
     from specdecode.verify import verify_chain
 
-    def biased(draft_tokens, draft_probs, target_probs, uniforms, noise):
-        v = verify_chain(draft_tokens, draft_probs, target_probs, uniforms, noise)
+    def biased(draft_tokens, draft_probs, target_probs, uniforms, noise, draft_lengths=None):
+        v = verify_chain(draft_tokens, draft_probs, target_probs, uniforms, noise, draft_lengths)
         B, k = draft_tokens.shape
         rejected = v.accepted < k
         at = v.accepted.clamp(max=k).view(B, 1, 1).expand(B, 1, target_probs.shape[-1])

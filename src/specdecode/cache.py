@@ -28,9 +28,10 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    def positions(self, num_new: int) -> torch.Tensor:
-        """[B, T] positions of the next num_new tokens of every row."""
-        pos = self.lengths.view(-1, 1) + torch.arange(num_new).view(1, -1)
+    def positions(self, num_new: int, offset: int = 0) -> torch.Tensor:
+        """[B, T] positions of the next num_new tokens of every row, after `offset` tokens that
+        are written but not (yet) counted in lengths (an early-exit draft's)."""
+        pos = self.lengths.view(-1, 1) + offset + torch.arange(num_new).view(1, -1)
         if int(pos.max()) >= self.capacity:
             raise SpecDecodeError(
                 f"sequence longer than the cache ({self.capacity} tokens); lower max_new_tokens"
@@ -40,9 +41,9 @@ class KVCache:
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
         """Store k, v [B, kv_heads, T, D] at positions pos [B, T]; return the used length S."""
         T = pos.shape[1]
-        start = self.lengths[0]
-        if bool((self.lengths == start).all()):  # aligned rows: one slice write
-            s = int(start)
+        start = pos[:, 0]
+        if bool((start == start[0]).all()) and (T == 1 or bool((pos[:, -1] - start == T - 1).all())):
+            s = int(start[0])  # aligned, contiguous rows: one slice write
             self.k[layer, :, :, s : s + T] = k
             self.v[layer, :, :, s : s + T] = v
         else:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import METHODS, Drafter, DraftModelDrafter
+from .drafters import AVAILABLE, METHODS, Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, Proposal
 from .errors import SpecDecodeError
 from .models.base import CausalLM, extend
+from .policy import RoundOutcome, make_policy
 from .sampling import SamplingParams, Warp, logits_to_probs
 from .stats import HOW, GenerationStats, RoundRecord
 from .verify import Verdict, verify_chain, verify_greedy
@@ -80,9 +81,10 @@ class RoundEvent:
         """Trace lines (design.md): positions after the first rejection have uniform None."""
         v = self.verdict
         tested = v.tested.tolist()
+        drafted = v.draft_lengths.tolist()
         out = []
         for i, row in enumerate(self.rows):
-            a = int(v.accepted[i])
+            a, d = int(v.accepted[i]), drafted[i]  # the row's own drafts: the first d positions
             n = len(self.emitted[i])
             how = ["accepted"] * min(a, n) + ([HOW[2] if v.bonus[i] else HOW[1]] if n > a else [])
             uni = v.uniforms[i].tolist() if v.uniforms is not None else [None] * len(tested[i])
@@ -90,12 +92,12 @@ class RoundEvent:
                 RoundRecord(
                     row=row,
                     round=self.round,
-                    draft_token_ids=self.draft_tokens[i].tolist(),
-                    draft_prob=v.draft_prob[i].tolist(),
-                    target_prob=v.target_prob[i].tolist(),
-                    accept_prob=v.accept_prob[i].tolist(),
-                    uniform=[u if t else None for u, t in zip(uni, tested[i])],
-                    accepted=v.accepted_mask[i].tolist(),
+                    draft_token_ids=self.draft_tokens[i, :d].tolist(),
+                    draft_prob=v.draft_prob[i, :d].tolist(),
+                    target_prob=v.target_prob[i, :d].tolist(),
+                    accept_prob=v.accept_prob[i, :d].tolist(),
+                    uniform=[u if t else None for u, t in zip(uni[:d], tested[i][:d])],
+                    accepted=v.accepted_mask[i, :d].tolist(),
                     emitted_token_ids=self.emitted[i],
                     how=how,
                 )
@@ -141,6 +143,13 @@ class SpeculativeGenerator:
         draft: CausalLM | None = None,
         k: int = 4,
         method: str | None = None,
+        policy: str = "fixed",
+        *,
+        exit_layer: int | None = None,
+        ngram_max: int = 3,
+        ngram_min: int = 1,
+        confidence_threshold: float = 0.4,
+        max_k: int | None = None,
     ) -> None:
         if not isinstance(k, int) or k < 1:
             raise SpecDecodeError(f"k must be an integer >= 1, got {k!r}")
@@ -149,15 +158,32 @@ class SpeculativeGenerator:
         self.target = target
         self.k = k
         self.drafter: Drafter | None = None
+        if method is not None and method not in METHODS:
+            raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method is not None and method not in AVAILABLE:
+            raise SpecDecodeError(
+                f"method {method!r} is not available yet; use one of {', '.join(AVAILABLE)}"
+            )
+        if draft is not None and method != "draft":
+            raise SpecDecodeError(
+                f"a draft model is only used by method 'draft', not {method!r}; drop --draft"
+            )
         if method == "draft":
             if draft is None:
                 raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
             self.drafter = DraftModelDrafter(draft, target)
-        elif method is not None:
-            if method in METHODS:
-                raise SpecDecodeError(f"method {method!r} is not available yet; use 'draft'")
-            raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        elif method == "ngram":
+            self.drafter = NgramDrafter(ngram_max, ngram_min)
+        elif method == "early-exit":
+            self.drafter = EarlyExitDrafter(target, exit_layer)
         self.method = method
+        make_policy(policy, k, confidence_threshold=confidence_threshold, max_k=max_k)  # validates
+        self._policy_args = (policy, k, confidence_threshold, max_k)
+
+    def new_policy(self):
+        """A fresh draft-length policy for one batch."""
+        name, k, threshold, max_k = self._policy_args
+        return make_policy(name, k, confidence_threshold=threshold, max_k=max_k)
 
     # -- inputs -------------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -234,8 +260,8 @@ class SpeculativeGenerator:
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], state: dict) -> Iterator[RoundEvent]:
         t0 = time.perf_counter()
-        k = self.k if self.drafter is not None else 0
-        batch = Batch(ids, params, k)
+        policy = self.new_policy() if self.drafter is not None else None
+        batch = Batch(ids, params, policy.max_k if policy is not None else 0)
         for model in (self.target, getattr(self.drafter, "model", None)):
             limit = getattr(model, "max_positions", None)
             if limit is not None and batch.capacity > limit:
@@ -247,11 +273,11 @@ class SpeculativeGenerator:
         if int(batch.lengths.max()) > 1:  # prefill all but the last prompt token
             extend(self.target, cache, batch.tokens, batch.lengths - 1)
         if self.drafter is not None:
-            self.drafter.start(batch)
+            self.drafter.start(batch, cache)
         eos = torch.tensor(self.target.eos_token_ids, dtype=torch.long)
         round_no = 0
         while batch.size > 0:
-            event = self._round(batch, cache, k, round_no, eos, state)
+            event = self._round(batch, cache, policy, round_no, eos, state)
             round_no += 1
             state["wall_s"] = time.perf_counter() - t0
             yield event
@@ -265,21 +291,42 @@ class SpeculativeGenerator:
         state["wall_s"] = time.perf_counter() - t0
 
     def _round(
-        self, batch: Batch, cache, k: int, round_no: int, eos: torch.Tensor, state: dict
+        self, batch: Batch, cache, policy, round_no: int, eos: torch.Tensor, state: dict
     ) -> RoundEvent:
         B = batch.size
-        if k > 0:
-            draft_tokens, draft_probs = self.drafter.propose(batch, k)
-        else:
-            draft_tokens, draft_probs = torch.zeros(B, 0, dtype=torch.long), None
+        k = policy.next_k() if policy is not None else 0
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(batch, k, policy.stop_below) if k > 0 else Proposal.empty(B)
+        draft_tokens, n_drafts = proposal.tokens, proposal.lengths
+        k = draft_tokens.shape[1]  # a drafter may propose fewer
+        t1 = time.perf_counter()
         pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
         logits = self.target.forward(torch.cat([pending, draft_tokens], 1), cache)  # [B, k+1, V]
+        t2 = time.perf_counter()
         if batch.warp.all_greedy:
-            verdict = verify_greedy(draft_tokens, logits)
+            verdict = verify_greedy(draft_tokens, logits, n_drafts)
         else:
             target_probs = logits_to_probs(logits, batch.warp)
             verdict = verify_chain(
-                draft_tokens, draft_probs, target_probs, batch.uniforms(k), batch.exp_noise(logits.shape[-1])
+                draft_tokens,
+                proposal.probs,
+                target_probs,
+                batch.uniforms(k),
+                batch.exp_noise(logits.shape[-1]),
+                n_drafts,
+            )
+        if policy is not None:
+            accepted = int(verdict.accepted.sum())
+            policy.observe(
+                RoundOutcome(
+                    drafted=k,
+                    tested=int(verdict.tested.sum()) if k else 0,
+                    accepted=accepted,
+                    rows=B,
+                    all_accepted=k > 0 and bool((verdict.accepted == verdict.draft_lengths).all()),
+                    draft_s=t1 - t0,
+                    target_s=t2 - t1,
+                )
             )
         # keep pending + accepted drafts in the target cache; the new last token is pending
         kept = batch.lengths + verdict.accepted
@@ -307,6 +354,7 @@ class SpeculativeGenerator:
         tokens = verdict.tokens.tolist()
         n_emit = verdict.num_emitted.tolist()
         accepted = verdict.accepted_mask.tolist()
+        drafted = verdict.draft_lengths.tolist()
         rows = batch.rows.tolist()
         emitted, finished = [], []
         for i, row in enumerate(rows):
@@ -333,10 +381,10 @@ class SpeculativeGenerator:
             st = state["stats"][row]
             st.rounds += 1
             st.target_forwards += 1
-            kk = len(accepted[i])
+            kk = drafted[i]
             st.drafted += kk
-            st.accepted += sum(accepted[i])
-            st.tested += min(sum(accepted[i]) + 1, kk)  # accepted ones and the first rejection
+            st.accepted += sum(accepted[i][:kk])
+            st.tested += min(sum(accepted[i][:kk]) + 1, kk)  # accepted ones and the first rejection
             if len(st.position_drafted) < kk:
                 pad = kk - len(st.position_drafted)
                 st.position_drafted += [0] * pad

@@ -26,6 +26,7 @@ class Verdict:
     accept_prob: torch.Tensor  # [B, k] min(1, p_i(x_i) / q_i(x_i))
     uniforms: torch.Tensor | None  # [B, k] the uniforms drawn (None on the greedy path)
     accepted_mask: torch.Tensor  # [B, k] bool: position i accepted (False after the first rejection)
+    draft_lengths: torch.Tensor  # [B] long: draft tokens of each row (positions beyond are padding)
 
     @property
     def num_emitted(self) -> torch.Tensor:
@@ -33,14 +34,15 @@ class Verdict:
 
     @property
     def tested(self) -> torch.Tensor:
-        """[B, k] bool: position i was reached (every position up to the first rejection)."""
+        """[B, k] bool: position i was reached (every drafted position up to the first rejection)."""
         k = self.accepted_mask.shape[1]
-        return torch.arange(k).view(1, k) <= self.accepted.view(-1, 1)
+        i = torch.arange(k).view(1, k)
+        return (i <= self.accepted.view(-1, 1)) & (i < self.draft_lengths.view(-1, 1))
 
     @property
     def bonus(self) -> torch.Tensor:
-        """[B] bool: the last emitted token is a bonus token (all k drafts accepted)."""
-        return self.accepted == self.accepted_mask.shape[1]
+        """[B] bool: the last emitted token is a bonus token (all of the row's drafts accepted)."""
+        return self.accepted == self.draft_lengths
 
 
 def _leading_run(mask: torch.Tensor) -> torch.Tensor:
@@ -54,9 +56,12 @@ def verify_chain(
     target_probs: torch.Tensor,  # [B, k+1, V]
     uniforms: torch.Tensor,  # [B, k] U[0, 1)
     exp_noise: torch.Tensor,  # [B, V] Exp(1), for the one resampled or bonus token per row
+    draft_lengths: torch.Tensor | None = None,  # [B] long: row b drafted only its first n_b tokens
 ) -> Verdict:
-    """Exact speculative sampling: the emitted tokens are distributed as target_probs."""
+    """Exact speculative sampling: the emitted tokens are distributed as target_probs. A row
+    with draft_lengths n_b < k is verified as if it had drafted n_b tokens (bonus from p_{n_b})."""
     B, k = draft_tokens.shape
+    n = torch.full((B,), k, dtype=torch.long) if draft_lengths is None else draft_lengths
     V = target_probs.shape[-1]
     target_prob = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     if draft_probs is None:
@@ -70,7 +75,7 @@ def verify_chain(
         (target_prob / draft_prob.clamp_min(1e-300)).clamp(max=1.0),
         (target_prob > 0).to(target_prob.dtype),
     )
-    accepted = _leading_run(ok)
+    accepted = _leading_run(ok & (torch.arange(k).view(1, k) < n.view(B, 1)))
     accepted_mask = torch.arange(k).view(1, k) < accepted.view(B, 1)
 
     # the distribution of the one extra token: residual at the first rejection, else p_k (bonus)
@@ -85,26 +90,28 @@ def verify_chain(
         # p == q leaves an empty residual; a rejection then has probability 0, so any
         # choice is exact; p keeps the output a valid token of the target.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-        rejected = (accepted < k).view(B, 1)
+        rejected = (accepted < n).view(B, 1)
         p_next = torch.where(rejected, residual, p_next)
     extra = sample(p_next, exp_noise)
 
     tokens = torch.cat([draft_tokens, torch.zeros(B, 1, dtype=torch.long)], dim=1)
     tokens.scatter_(1, accepted.view(B, 1), extra.view(B, 1))
-    return Verdict(accepted, tokens, draft_prob, target_prob, accept_prob, uniforms, accepted_mask)
+    return Verdict(accepted, tokens, draft_prob, target_prob, accept_prob, uniforms, accepted_mask, n)
 
 
 def verify_greedy(
     draft_tokens: torch.Tensor,  # [B, k] long
     target_scores: torch.Tensor,  # [B, k+1, V] logits or probs (only the argmax is used)
+    draft_lengths: torch.Tensor | None = None,  # [B] long: row b drafted only its first n_b tokens
 ) -> Verdict:
     """Accept while the draft token equals the target's argmax; then emit the argmax."""
     B, k = draft_tokens.shape
+    n = torch.full((B,), k, dtype=torch.long) if draft_lengths is None else draft_lengths
     best = target_scores.argmax(-1)  # [B, k+1]
-    match = draft_tokens == best[:, :k]
+    match = (draft_tokens == best[:, :k]) & (torch.arange(k).view(1, k) < n.view(B, 1))
     accepted = _leading_run(match)
     accepted_mask = torch.arange(k).view(1, k) < accepted.view(B, 1)
     tokens = torch.cat([draft_tokens, torch.zeros(B, 1, dtype=torch.long)], dim=1)
     tokens.scatter_(1, accepted.view(B, 1), best.gather(1, accepted.view(B, 1)))
     as_prob = match.to(torch.float32)
-    return Verdict(accepted, tokens, torch.ones(B, k), as_prob, as_prob, None, accepted_mask)
+    return Verdict(accepted, tokens, torch.ones(B, k), as_prob, as_prob, None, accepted_mask, n)

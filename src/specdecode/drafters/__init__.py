@@ -1,8 +1,19 @@
 """Drafters: one file per method. Each proposes tokens; none of them decides acceptance."""
 
-from .base import Drafter
+from .base import Drafter, Proposal
 from .draft_model import DraftModelDrafter
+from .early_exit import EarlyExitDrafter
+from .ngram import NgramDrafter
 
 METHODS = ("draft", "ngram", "early-exit", "medusa", "eagle")
+AVAILABLE = ("draft", "ngram", "early-exit")
 
-__all__ = ["METHODS", "DraftModelDrafter", "Drafter"]
+__all__ = [
+    "AVAILABLE",
+    "METHODS",
+    "DraftModelDrafter",
+    "Drafter",
+    "EarlyExitDrafter",
+    "NgramDrafter",
+    "Proposal",
+]

@@ -9,6 +9,7 @@ import torch
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM, extend
 from ..sampling import logits_to_probs, sample
+from .base import Proposal, StopTracker, confidence
 
 if TYPE_CHECKING:
     from ..engine import Batch
@@ -27,14 +28,15 @@ class DraftModelDrafter:
         self.model = draft
         self.cache = None
 
-    def start(self, batch: Batch) -> None:
+    def start(self, batch: Batch, target_cache=None) -> None:
         self.cache = self.model.new_cache(batch.size, batch.capacity)
 
     @torch.inference_mode()
-    def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
         greedy = batch.warp.all_greedy
         logits = extend(self.model, self.cache, batch.tokens, batch.lengths)  # [B, V]
         tokens, probs = [], []
+        stop = StopTracker(batch.size, stop_below)
         for i in range(k):
             if greedy:
                 tok = logits.argmax(-1)
@@ -43,9 +45,12 @@ class DraftModelDrafter:
                 tok = sample(q, batch.exp_noise(q.shape[-1]))
                 probs.append(q)
             tokens.append(tok)
+            conf = confidence(logits, probs or None, tok.view(-1, 1)) if stop_below is not None else None
+            if stop.update(i, conf):
+                break
             if i < k - 1:
                 logits = self.model.forward(tok.view(-1, 1), self.cache)[:, -1]
-        return torch.stack(tokens, 1), (None if greedy else torch.stack(probs, 1))
+        return Proposal(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), stop.result())
 
     def commit(self, lengths: torch.Tensor) -> None:
         self.cache.rewind(torch.minimum(self.cache.lengths, lengths))

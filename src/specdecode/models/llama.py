@@ -181,18 +181,25 @@ class LlamaModel:
         return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Append tokens [B, T] at each row's cache length; return logits [B, T, V]."""
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache, *, num_layers: int | None = None, offset: int = 0
+    ) -> torch.Tensor:
+        """Append tokens [B, T] at each row's cache length; return logits [B, T, V].
+
+        num_layers = m runs only the first m layers, then the final norm and LM head (an early
+        exit): it writes those layers' keys and values `offset` positions past each row's length
+        and leaves lengths alone, so a later full forward over the same tokens overwrites them."""
         c = self.cfg
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
-        pos = cache.positions(T)  # [B, T]
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        pos = cache.positions(T, offset)  # [B, T]
         cos, sin = self._rope(pos)
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
         S = None
         mask = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -216,6 +223,7 @@ class LlamaModel:
             h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
-        cache.advance(T)
+        if num_layers is None:
+            cache.advance(T)
         x = _rms_norm(x, self.final_norm, c.rms_norm_eps)
         return F.linear(x, self.lm_head)
