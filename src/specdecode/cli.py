@@ -38,8 +38,27 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--method", help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle"
     )
-    g.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
-    g.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
+    g.add_argument(
+        "--k", type=int, default=4, help="draft tokens per round (default 4; the start for adaptive policies)"
+    )
+    g.add_argument(
+        "--policy",
+        default="fixed",
+        help="draft-length policy: fixed (k every round), heuristic (+2 after a fully accepted round, -1 "
+        "otherwise), confidence (stop drafting when the draft's probability of its token < "
+        "--confidence-threshold), optimal (k from Theorem 3.8 with measured acceptance and cost)",
+    )
+    g.add_argument(
+        "--confidence-threshold", type=float, default=0.4, help="for --policy confidence (default 0.4)"
+    )
+    g.add_argument(
+        "--exit-layer",
+        type=int,
+        default=None,
+        help="early-exit: draft with the first M layers (default half)",
+    )
+    g.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
+    g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
@@ -135,6 +154,7 @@ LAB_HELP = {
     "formula": "measured tokens per forward vs (1 - a^(k+1))/(1 - a); per-position acceptance",
     "speedup": "speed-up vs k: Theorem 3.8 with measured alpha and c, next to wall clock",
     "lesson2": "lesson 001's toy pattern experiments, and its two errors measured",
+    "methods": "every drafting method and policy: tokens per forward and speed-up, greedy and T = 1",
     "report": "run every experiment; write report.html (plots embedded) and report.json",
 }
 
@@ -388,8 +408,6 @@ def _generate(args: argparse.Namespace) -> int:
         raise SpecDecodeError(f"--num-return-sequences must be >= 1, got {args.num_return_sequences}")
     if args.policy not in POLICIES:
         raise SpecDecodeError(f"unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
-    if args.policy != "fixed":
-        raise SpecDecodeError(f"--policy {args.policy} is not available yet; use fixed")
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -409,7 +427,17 @@ def _generate(args: argparse.Namespace) -> int:
         resolve(args.draft)
     target = load(args.target, backend=args.backend)
     draft = load(args.draft, backend=args.backend) if args.draft else None
-    gen = SpeculativeGenerator(target, draft=draft, k=args.k, method=args.method)
+    gen = SpeculativeGenerator(
+        target,
+        draft=draft,
+        k=args.k,
+        method=args.method,
+        policy=args.policy,
+        exit_layer=args.exit_layer,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
+        confidence_threshold=args.confidence_threshold,
+    )
     n = args.num_return_sequences
     trace = None
     if args.trace:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .common import LabConfig, LabResult, Table
 
-EXPERIMENTS = ("roofline", "rules", "greedy", "replay", "formula", "speedup", "lesson2")
+EXPERIMENTS = ("roofline", "rules", "greedy", "replay", "formula", "speedup", "lesson2", "methods")
 
 __all__ = ["EXPERIMENTS", "LabConfig", "LabResult", "Table", "run_experiment"]
 

@@ -1,0 +1,219 @@
+"""Drafting methods (ngram, early-exit) and draft-length policies: each keeps the target's
+greedy tokens and, sampled, the target's distribution through the whole engine."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution, noisy_copy
+from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.drafters.ngram import lookup
+from specdecode.models.init import init_model
+from specdecode.policy import HeuristicPolicy, OptimalPolicy, RoundOutcome, make_policy
+from specdecode.verify import verify_chain
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(12)]
+COMBOS = [("draft", p) for p in ("heuristic", "confidence", "optimal")] + [
+    (m, p) for m in ("ngram", "early-exit") for p in ("fixed", "heuristic", "confidence", "optimal")
+]
+
+
+@pytest.fixture(scope="module")
+def models(pair_dir):
+    target, draft = pair_dir
+    return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def target_greedy(models):
+    return [r.token_ids for r in SpeculativeGenerator(models[0]).generate(PROMPTS, GREEDY)]
+
+
+def generator(models, method, policy, k=3, **kw):
+    target, draft = models
+    return SpeculativeGenerator(
+        target, draft=draft if method == "draft" else None, k=k, method=method, policy=policy, **kw
+    )
+
+
+@pytest.mark.parametrize(("method", "policy"), COMBOS)
+def test_greedy_tokens_equal_target_greedy_for_every_method_and_policy(models, target_greedy, method, policy):
+    gen = generator(models, method, policy, confidence_threshold=0.5)
+    drafted = 0
+    for prompt, want in zip(PROMPTS, target_greedy):
+        (r,) = gen.generate([prompt], GREEDY)
+        assert r.token_ids == want, f"prompt {prompt}"
+        drafted += r.stats.drafted
+    batched = gen.generate(PROMPTS[:4], GREEDY)
+    assert [r.token_ids for r in batched] == target_greedy[:4]
+    assert drafted > 0  # the method really drafted
+
+
+# -- sampling exactness through the engine -------------------------------------------------
+
+RUNS = 60_000
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v16m")
+    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
+    d = noisy_copy(t, root / "d", noise=0.15, seed=6)
+    return load(t, dtype=torch.float64), load(d, dtype=torch.float64)
+
+
+def exact_joint(target, prompt: list[int]) -> np.ndarray:
+    V = target.vocab_size
+    p1 = torch.softmax(target.forward(torch.tensor([prompt]), target.new_cache(1, 16))[0, -1], -1)
+    seqs = torch.tensor([prompt + [x] for x in range(V)])
+    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 16))[:, -1], -1)
+    return (p1.view(V, 1) * p2).numpy().ravel()
+
+
+@pytest.mark.parametrize(
+    ("method", "policy", "prompt"),
+    [
+        ("ngram", "fixed", [5, 9, 2, 7, 5, 9]),
+        ("early-exit", "fixed", [5, 9, 2]),
+        ("draft", "confidence", [5, 9, 2]),
+        ("draft", "heuristic", [5, 9, 2]),
+        ("draft", "optimal", [5, 9, 2]),
+    ],
+)
+def test_two_token_joint_equals_target_for_methods_and_policies(small_vocab, method, policy, prompt):
+    target, _ = small_vocab
+    gen = generator(small_vocab, method, policy, k=2, confidence_threshold=0.5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=11, ignore_eos=True)
+    results = gen.generate([prompt] * RUNS, params)
+    V = target.vocab_size
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    ok, msg = check_distribution(pairs, exact_joint(target, prompt))
+    assert ok, msg
+    accepted = sum(r.stats.accepted for r in results)
+    tested = sum(r.stats.tested for r in results)
+    assert 0 < accepted < tested  # both acceptances and rejections happened
+    if policy == "confidence":  # rows stopped drafting at different lengths
+        assert len({r.stats.drafted for r in results}) > 1
+
+
+def test_rows_with_fewer_drafts_are_verified_as_if_they_drafted_only_those():
+    """verify_chain with draft_lengths: the first emitted token follows p_0 whatever the length."""
+    rng = np.random.default_rng(0)
+    V, B = 12, 200_000
+    p = torch.tensor(rng.dirichlet(np.ones(V), size=3))  # positions 0..2
+    q = torch.tensor(rng.dirichlet(np.ones(V), size=2))
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.stack([torch.multinomial(q[i], B, replacement=True, generator=g) for i in range(2)], 1)
+    lengths = torch.randint(0, 3, (B,), generator=g)
+    v = verify_chain(
+        drafts,
+        q.expand(B, 2, V),
+        p.expand(B, 3, V),
+        torch.rand(B, 2, generator=g, dtype=torch.float64),
+        torch.empty(B, V, dtype=torch.float64).exponential_(generator=g),
+        lengths,
+    )
+    assert bool((v.accepted <= lengths).all())
+    for n in range(3):
+        rows = lengths == n
+        ok, msg = check_distribution(v.tokens[rows, 0].numpy(), p[0].numpy())
+        assert ok, f"length {n}: {msg}"
+    # a row that drafted nothing emits a bonus token from p_0
+    assert bool(v.bonus[lengths == 0].all())
+
+
+# -- ngram, early exit, policies ------------------------------------------------------------
+
+
+def test_ngram_lookup_takes_the_longest_recent_suffix_match():
+    ctx = np.array([1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
+    assert lookup(ctx, 3, 3, 1).tolist() == [4, 7, 1]  # (1, 2) last seen at 4, followed by 4 7 1
+    ctx = np.array([5, 1, 2, 3, 8, 2, 3, 6, 1, 2, 3])
+    assert lookup(ctx, 2, 3, 1).tolist() == [8, 2]  # (1, 2, 3) beats the later (2, 3)
+    assert lookup(np.array([1, 2, 3, 4]), 4, 3, 1).tolist() == []
+    long = np.tile(np.arange(100), 82)  # 8,200 tokens
+    assert lookup(long, 4, 3, 1).tolist() == [0, 1, 2, 3]
+
+
+def test_early_exit_draft_is_the_first_layers_and_the_cache_ends_as_a_fresh_prefill(models):
+    target, _ = models
+    gen = SpeculativeGenerator(target, k=3, method="early-exit", exit_layer=1)
+    prompt = [3, 14, 15, 9, 26]
+    params = SamplingParams(temperature=1.0, max_new_tokens=17, seed=3, ignore_eos=True)
+    run = gen.stream([prompt], params)
+    events = list(run)
+    (res,) = run.results()
+    assert sum(len(e.emitted[0]) for e in events) == 17 and res.stats.accepted > 0
+    # the draft probs of each round's first token are the 1-layer exit at the context so far
+    seq = list(prompt)
+    for ev in events[:5]:
+        (rec,) = ev.records()
+        logits = target.forward(torch.tensor([seq]), target.new_cache(1, 64), num_layers=1)[0, -1]
+        q = torch.softmax(logits, -1)
+        assert rec.draft_prob[0] == pytest.approx(float(q[rec.draft_token_ids[0]]), rel=1e-9)
+        seq += rec.emitted_token_ids
+    # after the run, the shared cache holds exactly what a fresh prefill of the text gives
+    cache = target.new_cache(1, 64)
+    text = prompt + res.token_ids
+    gen2 = SpeculativeGenerator(target, k=3, method="early-exit", exit_layer=1)
+    from specdecode.engine import Batch
+
+    batch = Batch([text], [params], 3)
+    live = target.new_cache(1, batch.capacity)
+    target.forward(torch.tensor([text[:-1]]), live)
+    gen2.drafter.start(batch, live)
+    gen2.drafter.propose(batch, 3)  # drafts write past the length ...
+    assert int(live.lengths[0]) == len(text) - 1  # ... without moving it
+    target.forward(torch.tensor([text[-1:]]), live)
+    target.forward(torch.tensor([text]), cache)
+    n = len(text)
+    assert torch.allclose(live.k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-12)
+    assert torch.allclose(live.v[:, :, :, :n], cache.v[:, :, :, :n], atol=1e-12)
+
+
+def test_early_exit_needs_the_lean_runtime_and_a_valid_layer(models, tmp_path):
+    target, _ = models
+    with pytest.raises(SpecDecodeError, match="exit layer must be in 1..1"):
+        SpeculativeGenerator(target, method="early-exit", exit_layer=2)
+    hf = load(init_model(tmp_path / "m", vocab=64, layers=2, dim=32, seed=0), backend="hf")
+    with pytest.raises(SpecDecodeError, match="lean runtime"):
+        SpeculativeGenerator(hf, method="early-exit")
+
+
+def outcome(drafted, accepted, all_accepted, draft_s=0.001, target_s=0.01):
+    return RoundOutcome(drafted, drafted, accepted, 1, all_accepted, draft_s, target_s)
+
+
+def test_heuristic_policy_adds_two_after_full_acceptance_and_drops_one_otherwise():
+    p = HeuristicPolicy(4, max_k=7)
+    p.observe(outcome(4, 4, True))
+    assert p.next_k() == 6
+    p.observe(outcome(6, 6, True))
+    assert p.next_k() == 7  # capped
+    for _ in range(10):
+        p.observe(outcome(7, 0, False))
+    assert p.next_k() == 1  # never below 1
+
+
+def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_cannot_pay():
+    cheap = OptimalPolicy(4, max_k=16)
+    for _ in range(50):
+        cheap.observe(outcome(4, 3, False, draft_s=0.0004, target_s=0.01))  # alpha ~ 0.75, c ~ 0.01
+    from specdecode.theory import optimal_k
+
+    assert cheap.next_k() == optimal_k(cheap.alpha, cheap.cost_ratio, 16) > 4
+    dear = OptimalPolicy(4, probe_every=4)
+    for _ in range(50):
+        dear.observe(outcome(4, 1, False, draft_s=0.04, target_s=0.01))  # c = 1: never pays
+    ks = [dear.next_k() for _ in range(8)]
+    assert ks.count(0) == 6 and ks.count(1) == 2  # off, probing with k = 1 every 4th round
+
+
+def test_unknown_policy_and_bad_threshold_are_clear_errors(models):
+    with pytest.raises(SpecDecodeError, match="unknown policy"):
+        make_policy("greedy", 4)
+    with pytest.raises(SpecDecodeError, match="confidence threshold"):
+        SpeculativeGenerator(models[0], k=2, method="ngram", policy="confidence", confidence_threshold=1.5)
+    with pytest.raises(SpecDecodeError, match="only used by method 'draft'"):
+        SpeculativeGenerator(models[0], draft=models[1], method="ngram")
