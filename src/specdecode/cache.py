@@ -62,6 +62,17 @@ class KVCache:
             raise ValueError("rewind can only shorten rows")
         self.lengths = lengths.clone()
 
+    def keep_path(self, base: torch.Tensor, paths: list[list[int]]) -> None:
+        """After a tree forward written from slot base[b]: move the accepted nodes' entries
+        (slots base[b] + paths[b][i]) to base[b] + 1 + i, right after the root."""
+        for b, path in enumerate(paths):
+            if not path:
+                continue
+            src = int(base[b]) + torch.tensor(path)
+            dst = int(base[b]) + 1 + torch.arange(len(path))
+            self.k[:, b, :, dst] = self.k[:, b, :, src].clone()
+            self.v[:, b, :, dst] = self.v[:, b, :, src].clone()
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (retire the others); one copy, made when rows finish."""
         self.k = self.k[:, rows].contiguous()

@@ -12,9 +12,11 @@ import torch
 from .drafters import AVAILABLE, METHODS, Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, Proposal
 from .errors import SpecDecodeError
 from .models.base import CausalLM, extend
+from .models.llama import LlamaModel
 from .policy import RoundOutcome, make_policy
 from .sampling import SamplingParams, Warp, logits_to_probs
 from .stats import HOW, GenerationStats, RoundRecord
+from .tree import TokenTree, verify_tree
 from .verify import Verdict, verify_chain, verify_greedy
 
 Prompt = str | Sequence[int]
@@ -150,6 +152,7 @@ class SpeculativeGenerator:
         ngram_min: int = 1,
         confidence_threshold: float = 0.4,
         max_k: int | None = None,
+        tree: TokenTree | str | None = None,
     ) -> None:
         if not isinstance(k, int) or k < 1:
             raise SpecDecodeError(f"k must be an integer >= 1, got {k!r}")
@@ -177,6 +180,17 @@ class SpeculativeGenerator:
         elif method == "early-exit":
             self.drafter = EarlyExitDrafter(target, exit_layer)
         self.method = method
+        self.tree = TokenTree.parse(tree) if isinstance(tree, str) else tree
+        if self.tree is not None:
+            if method != "draft":
+                raise SpecDecodeError(f"token trees are drafted by method 'draft' so far, not {method!r}")
+            if not all(isinstance(m, LlamaModel) for m in (target, draft)):
+                raise SpecDecodeError(
+                    "token trees need Llama checkpoints on our lean runtime (--backend lean)"
+                )
+            if policy != "fixed":
+                raise SpecDecodeError("a token tree has a fixed shape; use --policy fixed with --tree")
+            k = self.k = self.tree.depth
         make_policy(policy, k, confidence_threshold=confidence_threshold, max_k=max_k)  # validates
         self._policy_args = (policy, k, confidence_threshold, max_k)
 
@@ -261,7 +275,8 @@ class SpeculativeGenerator:
     def _run(self, ids: list[list[int]], params: list[SamplingParams], state: dict) -> Iterator[RoundEvent]:
         t0 = time.perf_counter()
         policy = self.new_policy() if self.drafter is not None else None
-        batch = Batch(ids, params, policy.max_k if policy is not None else 0)
+        width = 0 if policy is None else (self.tree.size if self.tree is not None else policy.max_k)
+        batch = Batch(ids, params, width)  # room for one round's drafts (a whole tree) past the end
         for model in (self.target, getattr(self.drafter, "model", None)):
             limit = getattr(model, "max_positions", None)
             if limit is not None and batch.capacity > limit:
@@ -293,6 +308,8 @@ class SpeculativeGenerator:
     def _round(
         self, batch: Batch, cache, policy, round_no: int, eos: torch.Tensor, state: dict
     ) -> RoundEvent:
+        if self.tree is not None:
+            return self._tree_round(batch, cache, round_no, eos, state)
         B = batch.size
         k = policy.next_k() if policy is not None else 0
         t0 = time.perf_counter()
@@ -340,6 +357,52 @@ class SpeculativeGenerator:
         batch.tokens.scatter_(1, pos, torch.where(write, verdict.tokens, batch.tokens.gather(1, pos)))
         batch.lengths = batch.lengths + n_emit
         return self._emit(batch, verdict, draft_tokens, round_no, eos, state)
+
+    def _tree_round(self, batch: Batch, cache, round_no: int, eos: torch.Tensor, state: dict) -> RoundEvent:
+        """One round with a token tree: all candidates in one target forward, the accepted path
+        kept in the cache. Reported like a chain whose drafts are the accepted path (plus the
+        level where every candidate was rejected)."""
+        B, tree = batch.size, self.tree
+        nodes = self.drafter.propose_tree(batch, tree)  # [B, N]
+        pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
+        base = cache.lengths.clone()  # the pending token's slot
+        logits = self.target.forward(
+            torch.cat([pending, nodes], 1),
+            cache,
+            positions=base.view(B, 1) + tree.depths().view(1, -1),
+            tree_mask=tree.mask(),
+        )  # [B, N + 1, V]
+        greedy = batch.warp.all_greedy
+        probs = None if greedy else logits_to_probs(logits, batch.warp)
+        tv = verify_tree(
+            tree,
+            nodes,
+            probs,
+            logits,
+            None if greedy else batch.uniforms(tree.size),
+            None if greedy else batch.exp_noise(logits.shape[-1]),
+        )
+        cache.keep_path(base, tv.path)
+        accepted = torch.tensor([len(p) for p in tv.path])
+        cache.rewind(base + 1 + accepted)
+        self.drafter.commit(batch.lengths + accepted)
+        D = tree.depth
+        tokens = torch.zeros(B, D + 1, dtype=torch.long)
+        target_prob = torch.ones(B, D, dtype=torch.float64)
+        src = probs if probs is not None else torch.softmax(logits.double(), -1)
+        for b in range(B):
+            tokens[b, : len(tv.tokens[b])] = torch.tensor(tv.tokens[b])
+            parents = [0] + tv.path[b]
+            for j in range(len(tv.path[b])):  # p of each accepted node's token at its parent
+                target_prob[b, j] = float(src[b, parents[j], tokens[b, j]])
+        n_drafts = (accepted + (~torch.tensor(tv.bonus)).long()).clamp(max=D)
+        mask = torch.arange(D).view(1, D) < accepted.view(B, 1)
+        verdict = Verdict(accepted, tokens, torch.ones(B, D), target_prob, target_prob, None, mask, n_drafts)
+        pos = batch.lengths.view(B, 1) + torch.arange(D + 1).view(1, D + 1)
+        write = torch.arange(D + 1).view(1, D + 1) < verdict.num_emitted.view(B, 1)
+        batch.tokens.scatter_(1, pos, torch.where(write, tokens, batch.tokens.gather(1, pos)))
+        batch.lengths = batch.lengths + verdict.num_emitted
+        return self._emit(batch, verdict, tokens[:, :D], round_no, eos, state)
 
     def _emit(
         self,

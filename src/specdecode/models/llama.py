@@ -182,20 +182,32 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache, *, num_layers: int | None = None, offset: int = 0
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        *,
+        num_layers: int | None = None,
+        offset: int = 0,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        advance: bool = True,
     ) -> torch.Tensor:
         """Append tokens [B, T] at each row's cache length; return logits [B, T, V].
 
         num_layers = m runs only the first m layers, then the final norm and LM head (an early
         exit): it writes those layers' keys and values `offset` positions past each row's length
-        and leaves lengths alone, so a later full forward over the same tokens overwrites them."""
+        and leaves lengths alone, so a later full forward over the same tokens overwrites them.
+
+        Token trees: positions [B, T] are the RoPE positions (default: the cache slots), and
+        tree_mask [T, offset + T] says which of the slots past each row's length a new token may
+        attend to (every slot below the length is always visible). advance=False leaves lengths."""
         c = self.cfg
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        pos = cache.positions(T, offset)  # [B, T]
-        cos, sin = self._rope(pos)
+        pos = cache.positions(T, offset)  # [B, T] cache slots
+        cos, sin = self._rope(pos if positions is None else positions)
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
         S = None
         mask = None
@@ -211,7 +223,13 @@ class LlamaModel:
             S = cache.write(i, pos, k, v)
             if mask is None:
                 # [B, 1, G*T, S]: query t of row b sees keys at positions <= pos[b, t]
-                allowed = torch.arange(S).view(1, 1, S) <= pos.view(B, T, 1)
+                if tree_mask is None:
+                    allowed = torch.arange(S).view(1, 1, S) <= pos.view(B, T, 1)
+                else:
+                    rel = torch.arange(S).view(1, S) - cache.lengths.view(B, 1)  # [B, S]
+                    W = tree_mask.shape[1]
+                    block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
+                    allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
                 mask = allowed.unsqueeze(1).repeat(1, 1, G, 1)
             keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]
             # grouped-query attention without copying K/V: fold the G query heads of each
@@ -223,7 +241,7 @@ class LlamaModel:
             h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
-        if num_layers is None:
+        if num_layers is None and advance:
             cache.advance(T)
         x = _rms_norm(x, self.final_norm, c.rms_norm_eps)
         return F.linear(x, self.lm_head)
