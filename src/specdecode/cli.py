@@ -59,6 +59,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
+    g.add_argument(
+        "--tree",
+        metavar="CHOICES",
+        help="verify a token tree in one forward: branching per depth (3,2,1) or JSON choices "
+        "([[0],[1],[0,0]]); drafted by --draft, each node one of the draft's top-ranked tokens",
+    )
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
@@ -437,6 +443,7 @@ def _generate(args: argparse.Namespace) -> int:
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
         confidence_threshold=args.confidence_threshold,
+        tree=args.tree,
     )
     n = args.num_return_sequences
     trace = None

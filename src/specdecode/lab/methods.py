@@ -10,6 +10,7 @@ from ..policy import POLICIES
 from ..sampling import SamplingParams
 from .common import LabConfig, LabResult, Table, label, new_figure
 
+TREES = ("2,2,1", "4,2,1")
 CONFIGS = (
     [("draft", p) for p in POLICIES]
     + [("ngram", p) for p in ("fixed", "heuristic", "optimal")]
@@ -27,6 +28,8 @@ def run(cfg: LabConfig, k: int = 4, new_tokens: int | None = None, repeats: int 
         gens[(method, policy)] = SpeculativeGenerator(
             target, draft=draft if method == "draft" else None, k=k, method=method, policy=policy
         )
+    for tree in TREES:
+        gens[("draft", f"tree {tree}")] = SpeculativeGenerator(target, draft=draft, tree=tree)
     rows, data = [], []
     for temperature in (0.0, 1.0):
         totals = {key: [0, 0, 0.0, 0, 0] for key in gens}  # tokens, forwards, seconds, accepted, tested
