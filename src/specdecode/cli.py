@@ -60,6 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
     g.add_argument(
+        "--heads", metavar="DIR", help="medusa: trained heads (default: the bundled ones next to the target)"
+    )
+    g.add_argument(
         "--tree",
         metavar="CHOICES",
         help="verify a token tree in one forward: branching per depth (3,2,1) or JSON choices "
@@ -147,9 +150,59 @@ def _build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--repeats", type=int, default=3, help="timed runs per decoding mode (default 3)")
     d.add_argument("--json", action="store_true", help="also print the table rows as JSON")
+    h = sub.add_parser(
+        "train-heads",
+        help="train draft heads (Medusa) on a frozen target's features",
+        description="Train Medusa heads for TARGET on CORPUS: head i reads the target's final hidden state "
+        "and predicts the token i + 2 places ahead through the target's own LM head. The target is frozen. "
+        "Writes OUT/config.json and OUT/heads.safetensors (fp16); use them with "
+        "generate --method medusa --heads OUT.",
+    )
+    h.add_argument("--method", default="medusa", help="medusa (eagle is not built yet)")
+    h.add_argument("--target", required=True, metavar="MODEL", help="bundled name or model directory")
+    h.add_argument("--corpus", required=True, metavar="FILE|DIR", help="the target's training corpus")
+    h.add_argument("--out", required=True, metavar="DIR")
+    h.add_argument("--heads", type=int, default=4, help="number of heads (default 4)")
+    h.add_argument("--steps", type=int, default=400)
+    h.add_argument("--batch-size", type=int, default=16)
+    h.add_argument("--seq-len", type=int, default=128)
+    h.add_argument("--lr", type=float, default=1e-3)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--no-progress", action="store_true")
     _add_lab(sub)
     _add_plan(sub)
     return parser
+
+
+def _train_heads(args: argparse.Namespace) -> int:
+    from .models import resolve
+
+    if args.method != "medusa":
+        raise SpecDecodeError(f"train-heads --method {args.method!r} is not available yet; use medusa")
+    resolve(args.target)
+    if not Path(args.corpus).exists():
+        raise SpecDecodeError(f"corpus {args.corpus} not found; pass the target's training text")
+    from .train.heads import train_medusa
+
+    meta = train_medusa(
+        args.target,
+        args.corpus,
+        args.out,
+        num_heads=args.heads,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    accs = " ".join(f"{a:.3f}" for a in meta["heldout_top1_per_head"])
+    print(
+        f"wrote {args.out}: {meta['num_heads']} heads, held-out top-1 per head {accs}, "
+        f"{meta['train_seconds']:.0f} s",
+        file=sys.stderr,
+    )
+    return 0
 
 
 LAB_HELP = {
@@ -444,6 +497,7 @@ def _generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         confidence_threshold=args.confidence_threshold,
         tree=args.tree,
+        heads=_heads_dir(args) if args.method == "medusa" else None,
     )
     n = args.num_return_sequences
     trace = None
@@ -498,6 +552,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _heads_dir(args: argparse.Namespace) -> Path:
+    from .models import resolve
+
+    if args.heads:
+        return Path(args.heads)
+    bundled = resolve(args.target).parent / "medusa"
+    if not (bundled / "config.json").exists():
+        raise SpecDecodeError(f"no Medusa heads for {args.target}; pass --heads DIR (see train-heads)")
+    return bundled
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from .models.init import init_model
 
@@ -530,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
             return _lab(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "train-heads":
+            return _train_heads(args)
         return _init_model(args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)

@@ -6,10 +6,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .drafters import AVAILABLE, METHODS, Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, Proposal
+from .drafters import (
+    AVAILABLE,
+    METHODS,
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    MedusaDrafter,
+    MedusaHeads,
+    NgramDrafter,
+    Proposal,
+)
 from .errors import SpecDecodeError
 from .models.base import CausalLM, extend
 from .models.llama import LlamaModel
@@ -153,6 +164,7 @@ class SpeculativeGenerator:
         confidence_threshold: float = 0.4,
         max_k: int | None = None,
         tree: TokenTree | str | None = None,
+        heads=None,
     ) -> None:
         if not isinstance(k, int) or k < 1:
             raise SpecDecodeError(f"k must be an integer >= 1, got {k!r}")
@@ -179,12 +191,20 @@ class SpeculativeGenerator:
             self.drafter = NgramDrafter(ngram_max, ngram_min)
         elif method == "early-exit":
             self.drafter = EarlyExitDrafter(target, exit_layer)
+        elif method == "medusa":
+            if heads is None:
+                raise SpecDecodeError("method 'medusa' needs trained heads (--heads DIR)")
+            self.drafter = MedusaDrafter(
+                target, MedusaHeads.load(heads) if isinstance(heads, (str, Path)) else heads
+            )
         self.method = method
+        self._needs_hidden = bool(getattr(self.drafter, "needs_hidden", False))
+        self._hidden_kw = {"return_hidden": True} if self._needs_hidden else {}
         self.tree = TokenTree.parse(tree) if isinstance(tree, str) else tree
         if self.tree is not None:
-            if method != "draft":
-                raise SpecDecodeError(f"token trees are drafted by method 'draft' so far, not {method!r}")
-            if not all(isinstance(m, LlamaModel) for m in (target, draft)):
+            if method not in ("draft", "medusa"):
+                raise SpecDecodeError(f"token trees are drafted by methods draft and medusa, not {method!r}")
+            if not all(isinstance(m, LlamaModel) for m in (target, draft) if m is not None):
                 raise SpecDecodeError(
                     "token trees need Llama checkpoints on our lean runtime (--backend lean)"
                 )
@@ -285,10 +305,16 @@ class SpeculativeGenerator:
                     f"exceeds its {limit} positions; shorten the prompt or lower max_new_tokens"
                 )
         cache = self.target.new_cache(batch.size, batch.capacity)
+        hidden = None
         if int(batch.lengths.max()) > 1:  # prefill all but the last prompt token
-            extend(self.target, cache, batch.tokens, batch.lengths - 1)
+            out = extend(
+                self.target, cache, batch.tokens, batch.lengths - 1, return_hidden=self._needs_hidden
+            )
+            hidden = out[1] if self._needs_hidden else None
         if self.drafter is not None:
             self.drafter.start(batch, cache)
+            if hidden is not None:
+                self.drafter.observe_hidden(hidden)  # features of the token before the pending one
         eos = torch.tensor(self.target.eos_token_ids, dtype=torch.long)
         round_no = 0
         while batch.size > 0:
@@ -318,7 +344,8 @@ class SpeculativeGenerator:
         k = draft_tokens.shape[1]  # a drafter may propose fewer
         t1 = time.perf_counter()
         pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
-        logits = self.target.forward(torch.cat([pending, draft_tokens], 1), cache)  # [B, k+1, V]
+        out = self.target.forward(torch.cat([pending, draft_tokens], 1), cache, **self._hidden_kw)
+        logits, hidden = out if self._needs_hidden else (out, None)  # [B, k+1, V], [B, k+1, d]
         t2 = time.perf_counter()
         if batch.warp.all_greedy:
             verdict = verify_greedy(draft_tokens, logits, n_drafts)
@@ -345,6 +372,8 @@ class SpeculativeGenerator:
                     target_s=t2 - t1,
                 )
             )
+        if hidden is not None:  # the extra token came from input position `accepted`
+            self.drafter.observe_hidden(hidden[torch.arange(B), verdict.accepted])
         # keep pending + accepted drafts in the target cache; the new last token is pending
         kept = batch.lengths + verdict.accepted
         cache.rewind(kept)
@@ -366,12 +395,14 @@ class SpeculativeGenerator:
         nodes = self.drafter.propose_tree(batch, tree)  # [B, N]
         pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
         base = cache.lengths.clone()  # the pending token's slot
-        logits = self.target.forward(
+        out = self.target.forward(
             torch.cat([pending, nodes], 1),
             cache,
             positions=base.view(B, 1) + tree.depths().view(1, -1),
             tree_mask=tree.mask(),
-        )  # [B, N + 1, V]
+            **self._hidden_kw,
+        )
+        logits, hidden = out if self._needs_hidden else (out, None)  # [B, N + 1, V], [B, N + 1, d]
         greedy = batch.warp.all_greedy
         probs = None if greedy else logits_to_probs(logits, batch.warp)
         tv = verify_tree(
@@ -382,6 +413,9 @@ class SpeculativeGenerator:
             None if greedy else batch.uniforms(tree.size),
             None if greedy else batch.exp_noise(logits.shape[-1]),
         )
+        if hidden is not None:  # features at the node whose distribution gave the extra token
+            last = torch.tensor([p[-1] if p else 0 for p in tv.path])
+            self.drafter.observe_hidden(hidden[torch.arange(B), last])
         cache.keep_path(base, tv.path)
         accepted = torch.tensor([len(p) for p in tv.path])
         cache.rewind(base + 1 + accepted)

@@ -3,10 +3,11 @@
 from .base import Drafter, Proposal
 from .draft_model import DraftModelDrafter
 from .early_exit import EarlyExitDrafter
+from .medusa import MedusaDrafter, MedusaHeads
 from .ngram import NgramDrafter
 
 METHODS = ("draft", "ngram", "early-exit", "medusa", "eagle")
-AVAILABLE = ("draft", "ngram", "early-exit")
+AVAILABLE = ("draft", "ngram", "early-exit", "medusa")
 
 __all__ = [
     "AVAILABLE",
@@ -14,6 +15,8 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "EarlyExitDrafter",
+    "MedusaDrafter",
+    "MedusaHeads",
     "NgramDrafter",
     "Proposal",
 ]

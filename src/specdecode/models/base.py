@@ -36,9 +36,11 @@ class CausalLM(Protocol):
     def num_parameters(self) -> int: ...
 
 
-def extend(model: CausalLM, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def extend(
+    model: CausalLM, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Bring each row's cache up to lengths[b] tokens of tokens [B, N]; return the logits [B, V]
-    that follow each row's last token.
+    that follow each row's last token (and, with return_hidden, its final hidden state [B, hidden]).
 
     Rows may be ragged: the uncached suffixes are fed right-padded in one forward, then the
     cache is rewound to the true lengths (the padding is never attended to again). A row
@@ -51,7 +53,11 @@ def extend(model: CausalLM, cache: Cache, tokens: torch.Tensor, lengths: torch.T
         raise ValueError("extend: nothing to feed")
     B = tokens.shape[0]
     idx = (start.view(B, 1) + torch.arange(n).view(1, n)).clamp(max=tokens.shape[1] - 1)
-    logits = model.forward(tokens.gather(1, idx), cache)  # [B, n, V]
+    out = model.forward(tokens.gather(1, idx), cache, **({"return_hidden": True} if return_hidden else {}))
+    logits, hidden = out if return_hidden else (out, None)  # [B, n, V], [B, n, hidden]
     cache.rewind(lengths)
-    last = (todo - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, logits.shape[-1])
-    return logits.gather(1, last).squeeze(1)
+    last = (todo - 1).clamp(min=0).view(B, 1, 1)
+    at_last = logits.gather(1, last.expand(B, 1, logits.shape[-1])).squeeze(1)
+    if not return_hidden:
+        return at_last
+    return at_last, hidden.gather(1, last.expand(B, 1, hidden.shape[-1])).squeeze(1)

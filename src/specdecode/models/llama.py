@@ -191,7 +191,8 @@ class LlamaModel:
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         advance: bool = True,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [B, T] at each row's cache length; return logits [B, T, V].
 
         num_layers = m runs only the first m layers, then the final norm and LM head (an early
@@ -200,7 +201,9 @@ class LlamaModel:
 
         Token trees: positions [B, T] are the RoPE positions (default: the cache slots), and
         tree_mask [T, offset + T] says which of the slots past each row's length a new token may
-        attend to (every slot below the length is always visible). advance=False leaves lengths."""
+        attend to (every slot below the length is always visible). advance=False leaves lengths.
+        return_hidden: also return the final-normed hidden states [B, T, hidden] (the features
+        Medusa heads and EAGLE read)."""
         c = self.cfg
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -244,4 +247,5 @@ class LlamaModel:
         if num_layers is None and advance:
             cache.advance(T)
         x = _rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head)
+        logits = F.linear(x, self.lm_head)
+        return (logits, x) if return_hidden else logits

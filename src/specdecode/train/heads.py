@@ -1,0 +1,140 @@
+"""`specdecode train-heads`: draft heads trained on a frozen target's features.
+
+Medusa: head i (0-based) reads the target's final hidden state at position t and is trained
+with cross-entropy to predict token t + i + 2 through the target's own (frozen) LM head. The
+residual blocks start at zero, so every head starts as the target's next-token prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..drafters.medusa import MedusaHeads
+from ..errors import SpecDecodeError
+from .data import batch_at, encode_stream, eval_windows, read_corpus
+from .families import FAMILIES
+
+
+def _target_and_tokenizer(target_dir: Path):
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    from ..models.hf import quiet_transformers
+
+    with quiet_transformers():
+        model = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok_file = target_dir / "tokenizer.json"
+    if not tok_file.exists():
+        raise SpecDecodeError(f"{target_dir} has no tokenizer.json; heads are trained on text")
+    return model, Tokenizer.from_file(str(tok_file))
+
+
+def _medusa_loss(heads_w, heads_b, hidden, lm_head, ids) -> tuple[torch.Tensor, list[float]]:
+    """Mean cross-entropy over heads; head i at position t predicts ids[t + i + 2]."""
+    h, T = heads_w.shape[0], ids.shape[1]
+    feats = hidden.unsqueeze(-2) + F.silu(torch.einsum("btd,hed->bthe", hidden, heads_w) + heads_b)
+    losses, accs = [], []
+    for i in range(h):
+        n = T - i - 2
+        logits = F.linear(feats[:, :n, i], lm_head)  # [B, n, V]
+        target = ids[:, i + 2 :]
+        losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten()))
+        accs.append(float((logits.argmax(-1) == target).float().mean()))
+    return torch.stack(losses).mean(), accs
+
+
+def train_medusa(
+    target: str | Path,
+    corpus: str | Path,
+    out: str | Path,
+    *,
+    num_heads: int = 4,
+    steps: int = 400,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    from ..models import resolve
+
+    for name, v in (("--heads", num_heads), ("--steps", steps), ("--batch-size", batch_size)):
+        if v < 1:
+            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
+    if seq_len < num_heads + 3:
+        raise SpecDecodeError(f"--seq-len must be >= heads + 3, got {seq_len}")
+    if not lr > 0:
+        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
+    target_dir = resolve(target)
+    meta_file = target_dir / "training.json"
+    family = json.loads(meta_file.read_text()).get("family") if meta_file.exists() else None
+    glob = FAMILIES[family].file_glob if family in FAMILIES else "*.txt"
+    model, tok = _target_and_tokenizer(target_dir)
+    text = read_corpus(corpus, glob)
+    train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
+    d = model.config.hidden_size
+    torch.manual_seed(seed)
+    heads_w = torch.zeros(num_heads, d, d, requires_grad=True)
+    heads_b = torch.zeros(num_heads, d, requires_grad=True)
+    opt = torch.optim.AdamW([heads_w, heads_b], lr=lr, weight_decay=0.0)
+    lm_head = model.lm_head.weight
+
+    def features(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model.model(input_ids=ids).last_hidden_state  # final-normed [B, T, d]
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    t0 = time.perf_counter()
+    loss_value, accs = float("nan"), []
+    with Progress(
+        TextColumn("medusa heads"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+    ) as bar:
+        task = bar.add_task("heads", total=steps, info="")
+        for step in range(steps):
+            ids = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len).astype(np.int64))
+            frac = step / max(1, steps - 1)
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 20)) * 0.5 * (1 + np.cos(np.pi * frac))
+            loss, accs = _medusa_loss(heads_w, heads_b, features(ids), lm_head, ids)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_value = loss.item()
+            bar.update(
+                task, advance=1, info=f"loss {loss_value:.3f} top-1 {' '.join(f'{a:.2f}' for a in accs)}"
+            )
+    windows = torch.from_numpy(eval_windows(val_ids, seq_len, 32).astype(np.int64))
+    with torch.no_grad():
+        val_loss, val_accs = _medusa_loss(heads_w, heads_b, features(windows), lm_head, windows)
+    meta = {
+        "method": "medusa",
+        "num_heads": num_heads,
+        "hidden_size": d,
+        "target": str(target),
+        "corpus": str(corpus),
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "lr": lr,
+        "seed": seed,
+        "train_loss": loss_value,
+        "heldout_loss": float(val_loss),
+        "heldout_top1_per_head": val_accs,
+        "train_seconds": time.perf_counter() - t0,
+        "params": heads_w.numel() + heads_b.numel(),
+    }
+    MedusaHeads(heads_w.detach(), heads_b.detach()).save(Path(out), meta)
+    return meta

@@ -1,0 +1,145 @@
+"""Medusa heads: trained by train-heads, read the target's features of the right position, and
+keep the target's greedy tokens and sampled distribution, as a chain and as a tree."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution
+from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.cli import main
+from specdecode.drafters.medusa import MedusaHeads
+from specdecode.models.init import init_model
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(2 + (5 * i) % 10)] for i in range(6)]
+
+
+def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 0.3) -> MedusaHeads:
+    g = torch.Generator().manual_seed(seed)
+    return MedusaHeads(
+        torch.randn(h, d, d, generator=g, dtype=torch.float64) * scale / d**0.5,
+        torch.randn(h, d, generator=g, dtype=torch.float64) * scale,
+    )
+
+
+@pytest.fixture(scope="module")
+def target(pair_dir):
+    return load(pair_dir[0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("tree", [None, "2,2", "3,1,1"])
+def test_medusa_greedy_equals_target_greedy(target, tree):
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
+    gen = SpeculativeGenerator(
+        target, k=3, method="medusa", heads=random_heads(target.cfg.hidden_size), tree=tree
+    )
+    assert [gen.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == want
+    assert [r.token_ids for r in gen.generate(PROMPTS, GREEDY)] == want
+
+
+def test_heads_read_the_features_of_the_token_before_the_pending_one(target):
+    heads = random_heads(target.cfg.hidden_size)
+    gen = SpeculativeGenerator(target, k=3, method="medusa", heads=heads)
+    prompt = PROMPTS[3]
+    context = list(prompt)
+    for event in gen.stream([prompt], GREEDY):
+        (rec,) = event.records()
+        cache = target.new_cache(1, 64)
+        _, hidden = target.forward(torch.tensor([context[:-1]]), cache, return_hidden=True)
+        feats = heads.features(hidden[0, -1])  # [h, d]
+        want = (feats @ target.lm_head.T).argmax(-1)[:3].tolist()
+        assert rec.draft_token_ids == want
+        context += rec.emitted_token_ids
+
+
+@pytest.mark.parametrize("tree", [None, "2,2"])
+def test_medusa_sampling_keeps_the_two_token_joint(tmp_path, tree):
+    t = init_model(tmp_path / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
+    target = load(t, dtype=torch.float64)
+    prompt, V = [5, 9, 2], 16
+    p1 = torch.softmax(target.forward(torch.tensor([prompt]), target.new_cache(1, 8))[0, -1], -1)
+    seqs = torch.tensor([prompt + [x] for x in range(V)])
+    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 8))[:, -1], -1)
+    joint = (p1.view(V, 1) * p2).numpy().ravel()
+    gen = SpeculativeGenerator(target, k=2, method="medusa", heads=random_heads(32, 2, scale=1.0), tree=tree)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
+    results = gen.generate([prompt] * 40_000, params)
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    ok, msg = check_distribution(pairs, joint)
+    assert ok, msg
+    assert sum(r.stats.accepted for r in results) > 0
+
+
+def test_train_heads_writes_loadable_heads_that_generate(pair_dir, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat.\n" * 4000)
+    out = tmp_path / "heads"
+    code = main(
+        [
+            "train-heads",
+            "--target",
+            str(pair_dir[0]),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--heads",
+            "2",
+            "--steps",
+            "5",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--no-progress",
+        ]
+    )
+    assert code == 0 and "2 heads" in capsys.readouterr().err
+    heads = MedusaHeads.load(out)
+    assert heads.num_heads == 2 and heads.meta["steps"] == 5 and len(heads.meta["heldout_top1_per_head"]) == 2
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(pair_dir[0]),
+            "--method",
+            "medusa",
+            "--heads",
+            str(out),
+            "--prompt",
+            "the cat",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ]
+    )
+    assert code == 0
+
+
+def test_medusa_errors_are_clear(target, pair_dir, tmp_path, capsys):
+    with pytest.raises(SpecDecodeError, match="do not fit"):
+        SpeculativeGenerator(target, method="medusa", heads=random_heads(16))
+    with pytest.raises(SpecDecodeError, match="needs trained heads"):
+        SpeculativeGenerator(target, method="medusa")
+    with pytest.raises(SpecDecodeError, match="needs 3 Medusa heads"):
+        SpeculativeGenerator(target, method="medusa", heads=random_heads(32, 2), tree="1,1,1").generate(
+            [[1, 2, 3]], GREEDY
+        )
+    code = main(["generate", "--target", str(pair_dir[0]), "--method", "medusa", "--prompt", "ab"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no Medusa heads" in err and err.count("\n") == 1
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(pair_dir[0]),
+            "--method",
+            "medusa",
+            "--heads",
+            str(tmp_path),
+            "--prompt",
+            "ab",
+        ]
+    )
+    assert code == 2 and "holds no Medusa heads" in capsys.readouterr().err
