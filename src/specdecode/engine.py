@@ -313,8 +313,8 @@ class SpeculativeGenerator:
             hidden = out[1] if self._needs_hidden else None
         if self.drafter is not None:
             self.drafter.start(batch, cache)
-            if hidden is not None:
-                self.drafter.observe_hidden(hidden)  # features of the token before the pending one
+            if hidden is not None:  # features of every prompt token but the pending one
+                self.drafter.observe_features(hidden, torch.zeros_like(batch.lengths), batch.lengths - 1)
         eos = torch.tensor(self.target.eos_token_ids, dtype=torch.long)
         round_no = 0
         while batch.size > 0:
@@ -372,8 +372,8 @@ class SpeculativeGenerator:
                     target_s=t2 - t1,
                 )
             )
-        if hidden is not None:  # the extra token came from input position `accepted`
-            self.drafter.observe_hidden(hidden[torch.arange(B), verdict.accepted])
+        if hidden is not None:  # features of the pending token and the accepted drafts
+            self.drafter.observe_features(hidden, batch.lengths - 1, verdict.accepted + 1)
         # keep pending + accepted drafts in the target cache; the new last token is pending
         kept = batch.lengths + verdict.accepted
         cache.rewind(kept)
@@ -413,11 +413,13 @@ class SpeculativeGenerator:
             None if greedy else batch.uniforms(tree.size),
             None if greedy else batch.exp_noise(logits.shape[-1]),
         )
-        if hidden is not None:  # features at the node whose distribution gave the extra token
-            last = torch.tensor([p[-1] if p else 0 for p in tv.path])
-            self.drafter.observe_hidden(hidden[torch.arange(B), last])
-        cache.keep_path(base, tv.path)
         accepted = torch.tensor([len(p) for p in tv.path])
+        if hidden is not None:  # features along the accepted path: the root, then its nodes
+            width = 1 + int(accepted.max())
+            along = torch.tensor([[0, *p] + [0] * (width - 1 - len(p)) for p in tv.path])  # [B, width]
+            path_hidden = hidden.gather(1, along.unsqueeze(-1).expand(B, width, hidden.shape[-1]))
+            self.drafter.observe_features(path_hidden, batch.lengths - 1, accepted + 1)
+        cache.keep_path(base, tv.path)
         cache.rewind(base + 1 + accepted)
         self.drafter.commit(batch.lengths + accepted)
         D = tree.depth

@@ -92,8 +92,11 @@ class MedusaDrafter:
     def start(self, batch: Batch, target_cache) -> None:
         self.hidden = None
 
-    def observe_hidden(self, hidden: torch.Tensor) -> None:
-        self.hidden = hidden
+    def observe_features(self, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
+        """hidden [B, T, d]: the target's features of positions start[b] .. start[b] + count[b] - 1;
+        the heads read the last of them (the token before the new pending one)."""
+        last = (count - 1).clamp(min=0)
+        self.hidden = hidden[torch.arange(hidden.shape[0]), last]
 
     def _logits(self) -> torch.Tensor:
         return F.linear(self.heads.features(self.hidden), self.target.lm_head)  # [B, h, V]

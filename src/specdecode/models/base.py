@@ -40,7 +40,8 @@ def extend(
     model: CausalLM, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Bring each row's cache up to lengths[b] tokens of tokens [B, N]; return the logits [B, V]
-    that follow each row's last token (and, with return_hidden, its final hidden state [B, hidden]).
+    that follow each row's last token (and, with return_hidden, the final hidden states of every
+    token fed, [B, n, hidden], row b valid for its first lengths[b] - start[b] entries).
 
     Rows may be ragged: the uncached suffixes are fed right-padded in one forward, then the
     cache is rewound to the true lengths (the padding is never attended to again). A row
@@ -60,4 +61,4 @@ def extend(
     at_last = logits.gather(1, last.expand(B, 1, logits.shape[-1])).squeeze(1)
     if not return_hidden:
         return at_last
-    return at_last, hidden.gather(1, last.expand(B, 1, hidden.shape[-1])).squeeze(1)
+    return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i
