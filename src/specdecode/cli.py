@@ -60,7 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
     g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
     g.add_argument(
-        "--heads", metavar="DIR", help="medusa: trained heads (default: the bundled ones next to the target)"
+        "--heads",
+        metavar="DIR",
+        help="medusa / eagle: the trained heads or drafter (default: the bundled one next to the target)",
     )
     g.add_argument(
         "--tree",
@@ -158,7 +160,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "Writes OUT/config.json and OUT/heads.safetensors (fp16); use them with "
         "generate --method medusa --heads OUT.",
     )
-    h.add_argument("--method", default="medusa", help="medusa (eagle is not built yet)")
+    h.add_argument("--method", default="medusa", help="medusa (default) or eagle")
     h.add_argument("--target", required=True, metavar="MODEL", help="bundled name or model directory")
     h.add_argument("--corpus", required=True, metavar="FILE|DIR", help="the target's training corpus")
     h.add_argument("--out", required=True, metavar="DIR")
@@ -177,18 +179,14 @@ def _build_parser() -> argparse.ArgumentParser:
 def _train_heads(args: argparse.Namespace) -> int:
     from .models import resolve
 
-    if args.method != "medusa":
-        raise SpecDecodeError(f"train-heads --method {args.method!r} is not available yet; use medusa")
+    if args.method not in ("medusa", "eagle"):
+        raise SpecDecodeError(f"train-heads --method must be medusa or eagle, got {args.method!r}")
     resolve(args.target)
     if not Path(args.corpus).exists():
         raise SpecDecodeError(f"corpus {args.corpus} not found; pass the target's training text")
-    from .train.heads import train_medusa
+    from .train.heads import train_eagle, train_medusa
 
-    meta = train_medusa(
-        args.target,
-        args.corpus,
-        args.out,
-        num_heads=args.heads,
+    common = dict(
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -196,12 +194,14 @@ def _train_heads(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    accs = " ".join(f"{a:.3f}" for a in meta["heldout_top1_per_head"])
-    print(
-        f"wrote {args.out}: {meta['num_heads']} heads, held-out top-1 per head {accs}, "
-        f"{meta['train_seconds']:.0f} s",
-        file=sys.stderr,
-    )
+    if args.method == "eagle":
+        meta = train_eagle(args.target, args.corpus, args.out, **common)
+        done = f"EAGLE drafter, held-out top-1 {meta['heldout_top1']:.3f}"
+    else:
+        meta = train_medusa(args.target, args.corpus, args.out, num_heads=args.heads, **common)
+        accs = " ".join(f"{a:.3f}" for a in meta["heldout_top1_per_head"])
+        done = f"{meta['num_heads']} heads, held-out top-1 per head {accs}"
+    print(f"wrote {args.out}: {done}, {meta['train_seconds']:.0f} s", file=sys.stderr)
     return 0
 
 
@@ -497,7 +497,7 @@ def _generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         confidence_threshold=args.confidence_threshold,
         tree=args.tree,
-        heads=_heads_dir(args) if args.method == "medusa" else None,
+        heads=_heads_dir(args) if args.method in ("medusa", "eagle") else None,
     )
     n = args.num_return_sequences
     trace = None
@@ -557,9 +557,10 @@ def _heads_dir(args: argparse.Namespace) -> Path:
 
     if args.heads:
         return Path(args.heads)
-    bundled = resolve(args.target).parent / "medusa"
+    bundled = resolve(args.target).parent / args.method
     if not (bundled / "config.json").exists():
-        raise SpecDecodeError(f"no Medusa heads for {args.target}; pass --heads DIR (see train-heads)")
+        what = "Medusa heads" if args.method == "medusa" else "EAGLE drafter"
+        raise SpecDecodeError(f"no {what} for {args.target}; pass --heads DIR (see train-heads)")
     return bundled
 
 

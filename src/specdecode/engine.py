@@ -15,6 +15,7 @@ from .drafters import (
     METHODS,
     Drafter,
     DraftModelDrafter,
+    EagleDrafter,
     EarlyExitDrafter,
     MedusaDrafter,
     MedusaHeads,
@@ -191,6 +192,10 @@ class SpeculativeGenerator:
             self.drafter = NgramDrafter(ngram_max, ngram_min)
         elif method == "early-exit":
             self.drafter = EarlyExitDrafter(target, exit_layer)
+        elif method == "eagle":
+            if heads is None:
+                raise SpecDecodeError("method 'eagle' needs a trained EAGLE drafter (--heads DIR)")
+            self.drafter = EagleDrafter(target, heads)
         elif method == "medusa":
             if heads is None:
                 raise SpecDecodeError("method 'medusa' needs trained heads (--heads DIR)")

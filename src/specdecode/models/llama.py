@@ -192,6 +192,7 @@ class LlamaModel:
         tree_mask: torch.Tensor | None = None,
         advance: bool = True,
         return_hidden: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [B, T] at each row's cache length; return logits [B, T, V].
 
@@ -203,7 +204,8 @@ class LlamaModel:
         tree_mask [T, offset + T] says which of the slots past each row's length a new token may
         attend to (every slot below the length is always visible). advance=False leaves lengths.
         return_hidden: also return the final-normed hidden states [B, T, hidden] (the features
-        Medusa heads and EAGLE read)."""
+        Medusa heads and EAGLE read). inputs_embeds [B, T, hidden] replaces the token embeddings
+        (EAGLE feeds fused features)."""
         c = self.cfg
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -211,7 +213,7 @@ class LlamaModel:
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         pos = cache.positions(T, offset)  # [B, T] cache slots
         cos, sin = self._rope(pos if positions is None else positions)
-        x = F.embedding(tokens, self.embed)  # [B, T, hidden]
+        x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
         S = None
         mask = None
         for i, layer in enumerate(layers):

@@ -138,3 +138,131 @@ def train_medusa(
     }
     MedusaHeads(heads_w.detach(), heads_b.detach()).save(Path(out), meta)
     return meta
+
+
+def train_eagle(
+    target: str | Path,
+    corpus: str | Path,
+    out: str | Path,
+    *,
+    steps: int = 400,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: bool = True,
+    cls_weight: float = 0.1,
+) -> dict:
+    """EAGLE: one Llama decoder layer over fc([embed(x_{j+1}), h_j]) regresses h_{j+1} (smooth L1)
+    and, through the frozen LM head, predicts x_{j+2} (cross-entropy, weight cls_weight)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaModel as HFLlamaModel
+
+    from ..drafters.eagle import KIND
+    from ..models import resolve
+
+    for name, v in (("--steps", steps), ("--batch-size", batch_size)):
+        if v < 1:
+            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
+    if seq_len < 4:
+        raise SpecDecodeError(f"--seq-len must be >= 4, got {seq_len}")
+    if not lr > 0:
+        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
+    target_dir = resolve(target)
+    meta_file = target_dir / "training.json"
+    family = json.loads(meta_file.read_text()).get("family") if meta_file.exists() else None
+    glob = FAMILIES[family].file_glob if family in FAMILIES else "*.txt"
+    model, tok = _target_and_tokenizer(target_dir)
+    text = read_corpus(corpus, glob)
+    train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
+    tc = model.config
+    d = tc.hidden_size
+    torch.manual_seed(seed)
+    layer_cfg = HFLlamaConfig(
+        vocab_size=8,  # the layer's own embedding is never used: it reads fused features
+        hidden_size=d,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters=getattr(tc, "rope_parameters", None),
+        tie_word_embeddings=False,
+    )
+    layer = HFLlamaModel(layer_cfg).float().train()
+    fc = torch.nn.Linear(2 * d, d)
+    params = [*layer.parameters(), *fc.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    embed, lm_head = model.model.embed_tokens, model.lm_head.weight
+
+    def losses(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        with torch.no_grad():
+            h = model.model(input_ids=ids).last_hidden_state  # [B, T, d]
+            e = embed(ids[:, 1:])
+        pred = layer(inputs_embeds=fc(torch.cat([e, h[:, :-1]], -1))).last_hidden_state  # ~ h[:, 1:]
+        reg = F.smooth_l1_loss(pred, h[:, 1:])
+        logits = F.linear(pred[:, :-1], lm_head)
+        cls = F.cross_entropy(logits.flatten(0, 1), ids[:, 2:].flatten())
+        acc = float((logits.argmax(-1) == ids[:, 2:]).float().mean())
+        return reg + cls_weight * cls, acc
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    t0 = time.perf_counter()
+    loss_value, acc = float("nan"), 0.0
+    with Progress(
+        TextColumn("eagle drafter"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+    ) as bar:
+        task = bar.add_task("eagle", total=steps, info="")
+        for step in range(steps):
+            ids = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len).astype(np.int64))
+            frac = step / max(1, steps - 1)
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 20)) * 0.5 * (1 + np.cos(np.pi * frac))
+            loss, acc = losses(ids)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            loss_value = loss.item()
+            bar.update(task, advance=1, info=f"loss {loss_value:.3f} top-1 {acc:.2f}")
+    windows = torch.from_numpy(eval_windows(val_ids, seq_len, 32).astype(np.int64))
+    layer.eval()
+    with torch.no_grad():
+        val_loss, val_acc = losses(windows)
+    weights = {
+        k: v.detach().to(torch.float16).contiguous()
+        for k, v in layer.state_dict().items()
+        if not k.startswith("embed_tokens")
+    }
+    weights = {f"model.{k}": v for k, v in weights.items()}
+    weights["fc.weight"] = fc.weight.detach().to(torch.float16).contiguous()
+    weights["fc.bias"] = fc.bias.detach().to(torch.float16).contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "eagle.safetensors"), metadata={"format": "pt"})
+    meta = {
+        "kind": KIND,
+        "method": "eagle",
+        "target": str(target),
+        "corpus": str(corpus),
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "lr": lr,
+        "seed": seed,
+        "train_loss": loss_value,
+        "heldout_loss": float(val_loss),
+        "heldout_top1": val_acc,
+        "train_seconds": time.perf_counter() - t0,
+        "params": sum(p.numel() for p in params) - layer.embed_tokens.weight.numel(),
+        "layer_config": {**layer_cfg.to_dict(), "vocab_size": tc.vocab_size},
+    }
+    (out / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta

@@ -1,0 +1,132 @@
+"""EAGLE: a feature-level drafter. One decoder layer reads, at every position j, the target's
+final hidden state h_j fused with the embedding of the next token x_{j+1}, and predicts h_{j+1};
+the target's LM head turns the prediction into draft probabilities. Drafting runs in feature
+space: the predicted feature and the sampled token feed the next step.
+
+The layer keeps its own one-layer KV cache over (feature, token) pairs. Pairs whose feature is
+the target's own are committed; pairs built from predicted features are written past the
+cache length and overwritten next round (as the early-exit drafter does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpecDecodeError
+from ..models.llama import LlamaConfig, LlamaModel
+from ..sampling import logits_to_probs, sample
+from .base import Proposal, StopTracker, confidence
+
+if TYPE_CHECKING:
+    from ..engine import Batch
+
+KIND = "specdecode-eagle"
+
+
+def load_eagle(path: str | Path, target: LlamaModel) -> tuple[LlamaModel, torch.Tensor, torch.Tensor, dict]:
+    """The one-layer draft (sharing the target's embeddings and LM head) and the fusion fc."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    meta = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    if meta.get("kind") != KIND:
+        raise SpecDecodeError(
+            f"{path} holds no EAGLE drafter; train one with `specdecode train-heads --method eagle`"
+        )
+    if meta["layer_config"]["hidden_size"] != target.cfg.hidden_size:
+        raise SpecDecodeError(
+            f"EAGLE drafter of width {meta['layer_config']['hidden_size']} does not fit a target of width "
+            f"{target.cfg.hidden_size}; train one for this target"
+        )
+    w = load_file(str(path / "eagle.safetensors"))
+    fc_w, fc_b = w.pop("fc.weight").to(target.dtype), w.pop("fc.bias").to(target.dtype)
+    w["model.embed_tokens.weight"] = target.embed
+    layer = LlamaModel(LlamaConfig.from_dict(meta["layer_config"]), w, target.dtype)
+    layer.lm_head = target.lm_head
+    return layer, fc_w, fc_b, meta
+
+
+class EagleDrafter:
+    needs_hidden = True
+
+    def __init__(self, target, eagle: str | Path) -> None:
+        if not isinstance(target, LlamaModel):
+            raise SpecDecodeError("method eagle needs a Llama target on our lean runtime (--backend lean)")
+        self.target = target
+        self.layer, self.fc_w, self.fc_b, self.meta = load_eagle(eagle, target)
+        self.model = None
+        self.cache = None
+        self.feats: torch.Tensor | None = None  # [B, capacity, d] the target's features by position
+
+    def start(self, batch: Batch, target_cache) -> None:
+        self.cache = self.layer.new_cache(batch.size, batch.capacity)
+        self.feats = torch.zeros(
+            batch.size, batch.capacity, self.target.cfg.hidden_size, dtype=self.target.dtype
+        )
+
+    def observe_features(self, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
+        for b in range(hidden.shape[0]):
+            n = int(count[b])
+            self.feats[b, int(start[b]) : int(start[b]) + n] = hidden[b, :n]
+
+    def _fuse(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
+        return F.linear(torch.cat([F.embedding(tokens, self.target.embed), feats], -1), self.fc_w, self.fc_b)
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
+        B = batch.size
+        n = batch.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
+        done = self.cache.lengths.clone()
+        todo = (n - 1 - done).clamp(min=0)
+        M = int(todo.max())
+        if M == 0:  # one-token prompts: no feature yet
+            return Proposal.empty(B)
+        j = (done.view(B, 1) + torch.arange(M).view(1, M)).clamp(max=batch.capacity - 2)  # pair indices
+        fused = self._fuse(
+            batch.tokens.gather(1, j + 1),
+            self.feats.gather(1, j.unsqueeze(-1).expand(B, M, self.feats.shape[-1])),
+        )
+        logits, hidden = self.layer.forward(j, self.cache, inputs_embeds=fused, return_hidden=True)
+        self.cache.rewind(done + todo)  # padding of shorter rows is dropped
+        last = (todo - 1).clamp(min=0)
+        logits, feat = logits[torch.arange(B), last], hidden[torch.arange(B), last]  # [B, V], [B, d]
+        greedy = batch.warp.all_greedy
+        tokens, probs = [], []
+        stop = StopTracker(B, stop_below)
+        for i in range(k):
+            if greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits.unsqueeze(1), batch.warp).squeeze(1)
+                tok = sample(q, batch.exp_noise(q.shape[-1]))
+                probs.append(q)
+            tokens.append(tok)
+            conf = confidence(logits, probs or None, tok.view(-1, 1)) if stop_below is not None else None
+            if stop.update(i, conf) or i == k - 1:
+                break
+            fused = self._fuse(tok.view(B, 1), feat.view(B, 1, -1))
+            out, h = self.layer.forward(
+                tok.view(B, 1), self.cache, inputs_embeds=fused, offset=i, advance=False, return_hidden=True
+            )
+            logits, feat = out[:, -1], h[:, -1]
+        lengths = stop.result()
+        if lengths is None:
+            lengths = torch.full((B,), len(tokens), dtype=torch.long)
+        lengths = torch.where(
+            todo > 0, lengths, torch.zeros_like(lengths)
+        )  # rows with no feature draft nothing
+        return Proposal(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), lengths)
+
+    def commit(self, lengths: torch.Tensor) -> None:
+        self.cache.rewind(torch.minimum(self.cache.lengths, (lengths - 1).clamp(min=0)))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.cache.select_rows(rows)
+        self.feats = self.feats[rows]

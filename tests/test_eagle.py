@@ -1,0 +1,126 @@
+"""EAGLE: a one-layer feature-level drafter trained by train-heads; it reads the target's
+features of committed positions, and keeps the target's greedy tokens and distribution."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution
+from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.cli import main
+from specdecode.drafters.eagle import load_eagle
+from specdecode.models.init import init_model
+from specdecode.train.heads import train_eagle
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 10)] for i in range(6)]
+
+
+def corpus(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("".join(f"the {w} sat on the mat {i}.\n" for i in range(3000) for w in ["cat"]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(pair_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    out = root / "eagle"
+    train_eagle(pair_dir[0], corpus(root), out, steps=3, batch_size=4, seq_len=32, progress=False)
+    return load(pair_dir[0], dtype=torch.float64), out
+
+
+def test_eagle_greedy_equals_target_greedy_batch_1_and_ragged_batch(eagle_pair):
+    target, eagle = eagle_pair
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
+    gen = SpeculativeGenerator(target, k=3, method="eagle", heads=eagle)
+    got = [gen.generate([p], GREEDY)[0] for p in PROMPTS]
+    assert [r.token_ids for r in got] == want
+    assert sum(r.stats.drafted for r in got) > 0
+    assert [r.token_ids for r in gen.generate(PROMPTS, GREEDY)] == want
+
+
+def test_eagle_first_draft_reads_the_targets_own_features(eagle_pair):
+    """Round r's first draft probs = the layer over (h_j, x_{j+1}) pairs of the text so far."""
+    target, eagle = eagle_pair
+    layer, fc_w, fc_b, _ = load_eagle(eagle, target)
+    gen = SpeculativeGenerator(target, k=2, method="eagle", heads=eagle)
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4, ignore_eos=True)
+    context = list(prompt)
+    for event in gen.stream([prompt], params):
+        (rec,) = event.records()
+        _, h = target.forward(torch.tensor([context[:-1]]), target.new_cache(1, 64), return_hidden=True)
+        e = torch.nn.functional.embedding(torch.tensor([context[1:]]), target.embed)
+        fused = torch.nn.functional.linear(torch.cat([e, h], -1), fc_w, fc_b)
+        logits = layer.forward(torch.tensor([context[1:]]), layer.new_cache(1, 64), inputs_embeds=fused)[
+            0, -1
+        ]
+        q = torch.softmax(logits, -1)
+        assert rec.draft_prob[0] == pytest.approx(float(q[rec.draft_token_ids[0]]), rel=1e-8)
+        context += rec.emitted_token_ids
+
+
+def test_eagle_sampling_keeps_the_two_token_joint(tmp_path):
+    t = init_model(tmp_path / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
+    text = tmp_path / "c.txt"
+    text.write_text("".join(f"ab{i % 7}c\n" for i in range(20000)))
+    train_eagle(t, text, tmp_path / "e", steps=3, batch_size=4, seq_len=16, progress=False)
+    target = load(t, dtype=torch.float64)
+    prompt, V = [5, 9, 2], 16
+    p1 = torch.softmax(target.forward(torch.tensor([prompt]), target.new_cache(1, 8))[0, -1], -1)
+    seqs = torch.tensor([prompt + [x] for x in range(V)])
+    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 8))[:, -1], -1)
+    joint = (p1.view(V, 1) * p2).numpy().ravel()
+    gen = SpeculativeGenerator(target, k=2, method="eagle", heads=tmp_path / "e")
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
+    results = gen.generate([prompt] * 40_000, params)
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    ok, msg = check_distribution(pairs, joint)
+    assert ok, msg
+    acc, tested = sum(r.stats.accepted for r in results), sum(r.stats.tested for r in results)
+    assert 0 < acc < tested
+
+
+def test_train_heads_eagle_cli_and_errors(pair_dir, tmp_path, capsys):
+    out = tmp_path / "e"
+    argv = [
+        "train-heads",
+        "--method",
+        "eagle",
+        "--target",
+        str(pair_dir[0]),
+        "--corpus",
+        str(corpus(tmp_path)),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--no-progress",
+    ]
+    assert main(argv) == 0 and "EAGLE drafter" in capsys.readouterr().err
+    small = load(init_model(tmp_path / "s", vocab=64, layers=1, dim=16, seed=0))
+    with pytest.raises(SpecDecodeError, match="does not fit"):
+        SpeculativeGenerator(small, method="eagle", heads=out)
+    with pytest.raises(SpecDecodeError, match="holds no EAGLE"):
+        SpeculativeGenerator(small, method="eagle", heads=tmp_path)
+    assert (
+        main(
+            [
+                "train-heads",
+                "--method",
+                "lookahead",
+                "--target",
+                str(pair_dir[0]),
+                "--corpus",
+                "x",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
