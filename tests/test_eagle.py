@@ -30,10 +30,11 @@ def eagle_pair(pair_dir, tmp_path_factory):
     return load(pair_dir[0], dtype=torch.float64), out
 
 
-def test_eagle_greedy_equals_target_greedy_batch_1_and_ragged_batch(eagle_pair):
+@pytest.mark.parametrize("tree", [None, "2,2", "3,1,1"])
+def test_eagle_greedy_equals_target_greedy_batch_1_and_ragged_batch(eagle_pair, tree):
     target, eagle = eagle_pair
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
-    gen = SpeculativeGenerator(target, k=3, method="eagle", heads=eagle)
+    gen = SpeculativeGenerator(target, k=3, method="eagle", heads=eagle, tree=tree)
     got = [gen.generate([p], GREEDY)[0] for p in PROMPTS]
     assert [r.token_ids for r in got] == want
     assert sum(r.stats.drafted for r in got) > 0
@@ -61,7 +62,8 @@ def test_eagle_first_draft_reads_the_targets_own_features(eagle_pair):
         context += rec.emitted_token_ids
 
 
-def test_eagle_sampling_keeps_the_two_token_joint(tmp_path):
+@pytest.mark.parametrize("tree", [None, "2,2"])
+def test_eagle_sampling_keeps_the_two_token_joint(tmp_path, tree):
     t = init_model(tmp_path / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
     text = tmp_path / "c.txt"
     text.write_text("".join(f"ab{i % 7}c\n" for i in range(20000)))
@@ -72,7 +74,7 @@ def test_eagle_sampling_keeps_the_two_token_joint(tmp_path):
     seqs = torch.tensor([prompt + [x] for x in range(V)])
     p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 8))[:, -1], -1)
     joint = (p1.view(V, 1) * p2).numpy().ravel()
-    gen = SpeculativeGenerator(target, k=2, method="eagle", heads=tmp_path / "e")
+    gen = SpeculativeGenerator(target, k=2, method="eagle", heads=tmp_path / "e", tree=tree)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
     results = gen.generate([prompt] * 40_000, params)
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])

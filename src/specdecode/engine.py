@@ -207,8 +207,10 @@ class SpeculativeGenerator:
         self._hidden_kw = {"return_hidden": True} if self._needs_hidden else {}
         self.tree = TokenTree.parse(tree) if isinstance(tree, str) else tree
         if self.tree is not None:
-            if method not in ("draft", "medusa"):
-                raise SpecDecodeError(f"token trees are drafted by methods draft and medusa, not {method!r}")
+            if method not in ("draft", "medusa", "eagle"):
+                raise SpecDecodeError(
+                    f"token trees are drafted by methods draft, medusa and eagle, not {method!r}"
+                )
             if not all(isinstance(m, LlamaModel) for m in (target, draft) if m is not None):
                 raise SpecDecodeError(
                     "token trees need Llama checkpoints on our lean runtime (--backend lean)"

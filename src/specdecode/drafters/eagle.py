@@ -79,15 +79,14 @@ class EagleDrafter:
         """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
         return F.linear(torch.cat([F.embedding(tokens, self.target.embed), feats], -1), self.fc_w, self.fc_b)
 
-    @torch.inference_mode()
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
+    def _catch_up(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feed the committed pairs not yet in the layer's cache; return the logits [B, V] and
+        predicted feature [B, d] after the pending token, and how many pairs each row fed [B]."""
         B = batch.size
         n = batch.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
         done = self.cache.lengths.clone()
         todo = (n - 1 - done).clamp(min=0)
-        M = int(todo.max())
-        if M == 0:  # one-token prompts: no feature yet
-            return Proposal.empty(B)
+        M = max(int(todo.max()), 1)
         j = (done.view(B, 1) + torch.arange(M).view(1, M)).clamp(max=batch.capacity - 2)  # pair indices
         fused = self._fuse(
             batch.tokens.gather(1, j + 1),
@@ -96,7 +95,48 @@ class EagleDrafter:
         logits, hidden = self.layer.forward(j, self.cache, inputs_embeds=fused, return_hidden=True)
         self.cache.rewind(done + todo)  # padding of shorter rows is dropped
         last = (todo - 1).clamp(min=0)
-        logits, feat = logits[torch.arange(B), last], hidden[torch.arange(B), last]  # [B, V], [B, d]
+        return logits[torch.arange(B), last], hidden[torch.arange(B), last], todo
+
+    @torch.inference_mode()
+    def propose_tree(self, batch: Batch, tree) -> torch.Tensor:
+        """[B, N] candidates: each node's children are the layer's top-ranked tokens after it,
+        one layer forward per depth over (parent feature, node token) pairs with the tree mask."""
+        B, N = batch.size, tree.size
+        logits, feat, _ = self._catch_up(batch)
+        base = self.cache.lengths  # slot of the first draft pair
+        parents, depths, mask = tree.parents(), tree.depths(), tree.mask()
+        nodes = torch.zeros(B, N, dtype=torch.long)
+        level = {0: (logits, feat)}  # input index -> (logits after it, its predicted feature)
+        for d in range(1, tree.depth + 1):
+            idx = [i for i in range(1, N + 1) if int(depths[i]) == d]
+            for i in idx:
+                r = tree.choices[i - 1][-1]
+                nodes[:, i - 1] = level[parents[i - 1]][0].topk(r + 1, -1).indices[:, r]
+            if d == tree.depth:
+                break
+            first = idx[0] - 1
+            parent_feats = torch.stack([level[parents[i - 1]][1] for i in idx], 1)  # [B, T, d]
+            toks = nodes[:, first : first + len(idx)]
+            out, h = self.layer.forward(
+                toks,
+                self.cache,
+                inputs_embeds=self._fuse(toks, parent_feats),
+                offset=first,
+                positions=base.view(B, 1) + d - 1,
+                tree_mask=mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
+                advance=False,
+                return_hidden=True,
+            )
+            for t, i in enumerate(idx):
+                level[i] = (out[:, t], h[:, t])
+        return nodes
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
+        B = batch.size
+        if int((batch.lengths - 1 - self.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
+            return Proposal.empty(B)
+        logits, feat, todo = self._catch_up(batch)
         greedy = batch.warp.all_greedy
         tokens, probs = [], []
         stop = StopTracker(B, stop_below)
