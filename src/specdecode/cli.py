@@ -125,6 +125,14 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
     t.add_argument("--resume", action="store_true", help="continue the unfinished run in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    t.add_argument("--models", default="", help="comma-separated models of the family to train (default all)")
+    t.add_argument(
+        "--early-exit-layer",
+        type=int,
+        default=0,
+        help="also train the target to predict from its first M layers (for --method early-exit)",
+    )
+    t.add_argument("--early-exit-weight", type=float, default=0.5, help="weight of that auxiliary loss")
     c = sub.add_parser(
         "model-card",
         help="write MODEL_CARD.md for every model of a trained family",
@@ -442,6 +450,9 @@ def _train(args: argparse.Namespace) -> int:
         resume=args.resume,
         eval_every=args.eval_every,
         progress=not args.no_progress,
+        early_exit_layer=args.early_exit_layer,
+        early_exit_weight=args.early_exit_weight if args.early_exit_layer else 0.0,
+        only=tuple(m for m in args.models.split(",") if m),
     )
     from .train.model_card import write_model_cards
 

@@ -39,6 +39,9 @@ class TrainConfig:
     eval_windows: int = 64
     weight_decay: float = 0.1
     clip: float = 1.0
+    early_exit_layer: int = 0  # > 0: the target also learns to predict from its first M layers
+    early_exit_weight: float = 0.0
+    models: list[str] = field(default_factory=list)  # train only these models (default: all)
 
 
 @dataclass
@@ -156,6 +159,9 @@ def train_family(
     resume: bool = False,
     eval_every: int | None = None,
     progress: bool = True,
+    early_exit_layer: int = 0,
+    early_exit_weight: float = 0.0,
+    only: tuple[str, ...] = (),
 ) -> dict:
     """Train every model of `family`; write OUT/<model>/ directories. Returns the metadata."""
     from tokenizers import Tokenizer
@@ -170,9 +176,32 @@ def train_family(
         raise SpecDecodeError(f"--lr must be > 0, got {lr}")
     out = Path(out)
     state_dir = out / ".train"
+    unknown = [m for m in only if m not in {spec.name for spec in family.models}]
+    if unknown:
+        raise SpecDecodeError(
+            f"--models {','.join(unknown)}: not in {family.name} ({', '.join(m.name for m in family.models)})"
+        )
+    if early_exit_layer and not 1 <= early_exit_layer < family.target.layers:
+        raise SpecDecodeError(
+            f"--early-exit-layer must be in 1..{family.target.layers - 1} "
+            f"for the {family.target.layers}-layer target"
+        )
+    if early_exit_weight < 0:
+        raise SpecDecodeError(f"--early-exit-weight must be >= 0, got {early_exit_weight}")
     cfg = TrainConfig(
-        family.name, str(corpus), steps, seq_len, batch_size, lr, seed, eval_every or max(10, steps // 12)
+        family.name,
+        str(corpus),
+        steps,
+        seq_len,
+        batch_size,
+        lr,
+        seed,
+        eval_every or max(10, steps // 12),
+        early_exit_layer=early_exit_layer,
+        early_exit_weight=early_exit_weight,
+        models=list(only),
     )
+    specs = [m for m in family.models if not only or m.name in only]
     state_path = state_dir / "state.pt"
     if resume and not state_path.exists():
         raise SpecDecodeError(f"--resume: no training state in {state_dir}; start without --resume")
@@ -215,7 +244,7 @@ def train_family(
     eos_id = tok.token_to_id(EOS)
     windows = eval_windows(val_ids, seq_len, cfg.eval_windows)
     models, opts, logs = [], [], []
-    for spec in family.models:
+    for spec in specs:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
         _scale_residual_init(model, spec.layers)
@@ -274,13 +303,20 @@ def train_family(
         for step in range(start, steps):
             batch = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len))
             x, y = batch[:, :-1], batch[:, 1:]
-            for model, opt, log, spec in zip(models, opts, logs, family.models):
+            for model, opt, log, spec in zip(models, opts, logs, specs):
                 t0 = time.perf_counter()
                 lr_now = _lr_at(step, cfg, peak_lr(cfg, spec.dim))
                 for g in opt.param_groups:
                     g["lr"] = lr_now
-                logits = model(input_ids=x, use_cache=False).logits
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                exit_aux = cfg.early_exit_layer and spec is family.target
+                res = model(input_ids=x, use_cache=False, output_hidden_states=bool(exit_aux))
+                loss = F.cross_entropy(res.logits.flatten(0, 1), y.flatten())
+                if exit_aux:  # LayerSkip-style: the first M layers + final norm + LM head also predict
+                    h = model.model.norm(res.hidden_states[cfg.early_exit_layer])
+                    exit_logits = model.lm_head(h)
+                    loss = loss + cfg.early_exit_weight * F.cross_entropy(
+                        exit_logits.flatten(0, 1), y.flatten()
+                    )
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -289,7 +325,7 @@ def train_family(
                 log.train_seconds += time.perf_counter() - t0
             done = step + 1
             if done % cfg.eval_every == 0 or done == steps:
-                for model, log, spec in zip(models, logs, family.models):
+                for model, log, spec in zip(models, logs, specs):
                     val = _val_loss(model, windows, batch_size)
                     log.history.append((done, log.train_loss, val))
                     if val < log.best_val_loss:
@@ -308,7 +344,7 @@ def train_family(
             best = " ".join(f"{lg.best_val_loss:.2f}" for lg in logs if lg.history)
             bar.update(task, completed=done, info=f"loss {info} | val {best or '-'} | {rate:,.0f} tok/s")
     # final metadata (best checkpoints are already on disk)
-    for spec, log in zip(family.models, logs):
+    for spec, log in zip(specs, logs):
         path = out / spec.name / "training.json"
         if path.exists():
             data = json.loads(path.read_text())
