@@ -210,6 +210,10 @@ def _train_heads(args: argparse.Namespace) -> int:
         accs = " ".join(f"{a:.3f}" for a in meta["heldout_top1_per_head"])
         done = f"{meta['num_heads']} heads, held-out top-1 per head {accs}"
     print(f"wrote {args.out}: {done}, {meta['train_seconds']:.0f} s", file=sys.stderr)
+    if resolve(args.target).joinpath("training.json").exists():  # held-out prompts need the family
+        from .train.model_card import write_heads_card
+
+        print(f"wrote {write_heads_card(args.out, args.target, args.corpus)}", file=sys.stderr)
     return 0
 
 
