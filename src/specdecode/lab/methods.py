@@ -30,6 +30,14 @@ def run(cfg: LabConfig, k: int = 4, new_tokens: int | None = None, repeats: int 
         )
     for tree in TREES:
         gens[("draft", f"tree {tree}")] = SpeculativeGenerator(target, draft=draft, tree=tree)
+    for method in ("medusa", "eagle"):  # trained heads next to the target, when there are any
+        heads = target.path.parent / method
+        if (heads / "config.json").exists():
+            gens[(method, "fixed")] = SpeculativeGenerator(target, k=k, method=method, heads=heads)
+            for tree in TREES:
+                gens[(method, f"tree {tree}")] = SpeculativeGenerator(
+                    target, method=method, heads=heads, tree=tree
+                )
     rows, data = [], []
     for temperature in (0.0, 1.0):
         totals = {key: [0, 0, 0.0, 0, 0] for key in gens}  # tokens, forwards, seconds, accepted, tested
