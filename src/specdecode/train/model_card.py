@@ -86,8 +86,14 @@ def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measu
         f"| held-out loss | {m['best_val_loss']:.4f} |",
         f"| training loss at the end | {m['train_loss']:.4f} |",
         f"| training time | {m['train_seconds'] / 60:.1f} min (this model's share, 2-core CPU) |",
-        "",
     ]
+    if c.get("early_exit_layer") and meta["role"] == "target":
+        lines.append(
+            f"| early-exit training | its first {c['early_exit_layer']} layers + final norm + LM head also "
+            f"predict the next token (loss weight {c['early_exit_weight']}; the training losses include "
+            f"it), for `--method early-exit --exit-layer {c['early_exit_layer']}` |"
+        )
+    lines.append("")
     if acceptance:
         lines += [
             f"## Acceptance against `{meta['family']}/{meta['target']}` (k = 4)",
