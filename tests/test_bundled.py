@@ -67,3 +67,28 @@ def test_lab_on_bundled_three_kingdoms_greedy_identical_and_residual_within_nois
     assert case["residual_tv"] < case["noise_tv_p99"]
     assert case["resample_p_tv"] > 3 * case["noise_tv_p99"]
     # at 50,000 draws noise still inflates (b)'s TV by ~10%; test_lab checks (b) against its closed form
+
+
+def test_streamed_text_equals_the_json_text_across_split_characters(capsys):
+    """Byte-level tokens split Chinese characters: the stream waits for whole characters and
+    prints all of the text."""
+    from specdecode.cli import main
+
+    args = [
+        "generate",
+        "--target",
+        "three-kingdoms/target",
+        "--draft",
+        "three-kingdoms/draft-64",
+        "--prompt",
+        "孔明曰：「",
+        "--max-new-tokens",
+        "48",
+        "--seed",
+        "0",
+    ]
+    assert main(args) == 0
+    streamed = capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert streamed == text + "\n"

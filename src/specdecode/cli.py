@@ -534,7 +534,7 @@ def _generate(args: argparse.Namespace) -> int:
             if stream_text and event.emitted:
                 tokens.extend(event.emitted[0])
                 text = target.tokenizer.decode(tokens)
-                if text.startswith(shown):  # print only what is stable
+                if text.startswith(shown) and not text.endswith("\ufffd"):  # only complete characters
                     sys.stdout.write(text[len(shown) :])
                     sys.stdout.flush()
                     shown = text
