@@ -82,3 +82,14 @@ def tiny_hf_model(
         model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(out)
     return out
+
+
+def two_token_joint(target, prompt: list[int]) -> np.ndarray:
+    """P(x1, x2 | prompt) at T = 1 from full forwards, flattened to [V * V] (x1 * V + x2)."""
+    V = target.vocab_size
+    p1 = torch.softmax(
+        target.forward(torch.tensor([prompt]), target.new_cache(1, len(prompt) + 2))[0, -1], -1
+    )
+    seqs = torch.tensor([prompt + [x] for x in range(V)])
+    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, len(prompt) + 2))[:, -1], -1)
+    return (p1.view(V, 1) * p2).numpy().ravel()

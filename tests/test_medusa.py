@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution
+from helpers import check_distribution, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.cli import main
 from specdecode.drafters.medusa import MedusaHeads
@@ -58,10 +58,7 @@ def test_medusa_sampling_keeps_the_two_token_joint(tmp_path, tree):
     t = init_model(tmp_path / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
     target = load(t, dtype=torch.float64)
     prompt, V = [5, 9, 2], 16
-    p1 = torch.softmax(target.forward(torch.tensor([prompt]), target.new_cache(1, 8))[0, -1], -1)
-    seqs = torch.tensor([prompt + [x] for x in range(V)])
-    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 8))[:, -1], -1)
-    joint = (p1.view(V, 1) * p2).numpy().ravel()
+    joint = two_token_joint(target, prompt)
     gen = SpeculativeGenerator(target, k=2, method="medusa", heads=random_heads(32, 2, scale=1.0), tree=tree)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
     results = gen.generate([prompt] * 40_000, params)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy
+from helpers import check_distribution, noisy_copy, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.drafters.ngram import lookup
 from specdecode.models.init import init_model
@@ -63,14 +63,6 @@ def small_vocab(tmp_path_factory):
     return load(t, dtype=torch.float64), load(d, dtype=torch.float64)
 
 
-def exact_joint(target, prompt: list[int]) -> np.ndarray:
-    V = target.vocab_size
-    p1 = torch.softmax(target.forward(torch.tensor([prompt]), target.new_cache(1, 16))[0, -1], -1)
-    seqs = torch.tensor([prompt + [x] for x in range(V)])
-    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 16))[:, -1], -1)
-    return (p1.view(V, 1) * p2).numpy().ravel()
-
-
 @pytest.mark.parametrize(
     ("method", "policy", "prompt"),
     [
@@ -88,7 +80,7 @@ def test_two_token_joint_equals_target_for_methods_and_policies(small_vocab, met
     results = gen.generate([prompt] * RUNS, params)
     V = target.vocab_size
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
-    ok, msg = check_distribution(pairs, exact_joint(target, prompt))
+    ok, msg = check_distribution(pairs, two_token_joint(target, prompt))
     assert ok, msg
     accepted = sum(r.stats.accepted for r in results)
     tested = sum(r.stats.tested for r in results)

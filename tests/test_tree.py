@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy
+from helpers import check_distribution, noisy_copy, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.models.init import init_model
 from specdecode.tree import TokenTree, verify_tree
@@ -79,10 +79,7 @@ def test_tree_round_through_engine_keeps_the_two_token_joint(tmp_path):
     d = noisy_copy(t, root / "d", noise=0.3, seed=6)
     target, draft = load(t, dtype=torch.float64), load(d, dtype=torch.float64)
     prompt, V = [5, 9, 2], 16
-    p1 = torch.softmax(target.forward(torch.tensor([prompt]), target.new_cache(1, 8))[0, -1], -1)
-    seqs = torch.tensor([prompt + [x] for x in range(V)])
-    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, 8))[:, -1], -1)
-    joint = (p1.view(V, 1) * p2).numpy().ravel()
+    joint = two_token_joint(target, prompt)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5, ignore_eos=True)
     results = SpeculativeGenerator(target, draft=draft, tree="2,2").generate([prompt] * 40_000, params)
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
