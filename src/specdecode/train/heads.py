@@ -37,6 +37,57 @@ def _target_and_tokenizer(target_dir: Path):
     return model, Tokenizer.from_file(str(tok_file))
 
 
+def _setup(target, corpus, steps: int, batch_size: int, seq_len: int, min_seq: int, lr: float):
+    """Check the settings, load the frozen target (transformers) and the token streams of the
+    corpus split as the target's family was (95% train / 5% held out)."""
+    from ..models import resolve
+
+    for name, v in (("--steps", steps), ("--batch-size", batch_size)):
+        if v < 1:
+            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
+    if seq_len < min_seq:
+        raise SpecDecodeError(f"--seq-len must be >= {min_seq}, got {seq_len}")
+    if not lr > 0:
+        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
+    target_dir = resolve(target)
+    meta_file = target_dir / "training.json"
+    family = json.loads(meta_file.read_text()).get("family") if meta_file.exists() else None
+    glob = FAMILIES[family].file_glob if family in FAMILIES else "*.txt"
+    model, tok = _target_and_tokenizer(target_dir)
+    text = read_corpus(corpus, glob)
+    return model, encode_stream(tok, text.train), encode_stream(tok, text.valid)
+
+
+def _optimise(name, params, loss_fn, train_ids, *, steps, batch_size, seq_len, lr, seed, clip, progress):
+    """AdamW over params for `steps` batches (5% warmup, cosine); loss_fn(ids) -> (loss, info).
+    Returns the last training loss."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    loss_value = float("nan")
+    columns = (TextColumn(name), BarColumn(), TextColumn("{task.completed}/{task.total} {task.fields[info]}"))
+    with Progress(*columns, TimeElapsedColumn(), disable=not progress) as bar:
+        task = bar.add_task(name, total=steps, info="")
+        for step in range(steps):
+            ids = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len).astype(np.int64))
+            frac = step / max(1, steps - 1)
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 20)) * 0.5 * (1 + np.cos(np.pi * frac))
+            loss, info = loss_fn(ids)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            loss_value = loss.item()
+            bar.update(task, advance=1, info=f"loss {loss_value:.3f} top-1 {info}")
+    return loss_value
+
+
+def _heldout(val_ids, seq_len: int) -> torch.Tensor:
+    return torch.from_numpy(eval_windows(val_ids, seq_len, 32).astype(np.int64))
+
+
 def _medusa_loss(heads_w, heads_b, hidden, lm_head, ids) -> tuple[torch.Tensor, list[float]]:
     """Mean cross-entropy over heads; head i at position t predicts ids[t + i + 2]."""
     h, T = heads_w.shape[0], ids.shape[1]
@@ -64,61 +115,39 @@ def train_medusa(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
-    from ..models import resolve
-
-    for name, v in (("--heads", num_heads), ("--steps", steps), ("--batch-size", batch_size)):
-        if v < 1:
-            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
-    if seq_len < num_heads + 3:
-        raise SpecDecodeError(f"--seq-len must be >= heads + 3, got {seq_len}")
-    if not lr > 0:
-        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
-    target_dir = resolve(target)
-    meta_file = target_dir / "training.json"
-    family = json.loads(meta_file.read_text()).get("family") if meta_file.exists() else None
-    glob = FAMILIES[family].file_glob if family in FAMILIES else "*.txt"
-    model, tok = _target_and_tokenizer(target_dir)
-    text = read_corpus(corpus, glob)
-    train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
+    if num_heads < 1:
+        raise SpecDecodeError(f"--heads must be >= 1, got {num_heads}")
+    model, train_ids, val_ids = _setup(target, corpus, steps, batch_size, seq_len, num_heads + 3, lr)
     d = model.config.hidden_size
     torch.manual_seed(seed)
     heads_w = torch.zeros(num_heads, d, d, requires_grad=True)
     heads_b = torch.zeros(num_heads, d, requires_grad=True)
-    opt = torch.optim.AdamW([heads_w, heads_b], lr=lr, weight_decay=0.0)
     lm_head = model.lm_head.weight
 
-    def features(ids: torch.Tensor) -> torch.Tensor:
+    def loss_fn(ids: torch.Tensor):
         with torch.no_grad():
-            return model.model(input_ids=ids).last_hidden_state  # final-normed [B, T, d]
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            hidden = model.model(input_ids=ids).last_hidden_state  # final-normed [B, T, d]
+        loss, accs = _medusa_loss(heads_w, heads_b, hidden, lm_head, ids)
+        return loss, " ".join(f"{a:.2f}" for a in accs)
 
     t0 = time.perf_counter()
-    loss_value, accs = float("nan"), []
-    with Progress(
-        TextColumn("medusa heads"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
-        TimeElapsedColumn(),
-        disable=not progress,
-    ) as bar:
-        task = bar.add_task("heads", total=steps, info="")
-        for step in range(steps):
-            ids = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len).astype(np.int64))
-            frac = step / max(1, steps - 1)
-            for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 20)) * 0.5 * (1 + np.cos(np.pi * frac))
-            loss, accs = _medusa_loss(heads_w, heads_b, features(ids), lm_head, ids)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            loss_value = loss.item()
-            bar.update(
-                task, advance=1, info=f"loss {loss_value:.3f} top-1 {' '.join(f'{a:.2f}' for a in accs)}"
-            )
-    windows = torch.from_numpy(eval_windows(val_ids, seq_len, 32).astype(np.int64))
+    loss_value = _optimise(
+        "medusa heads",
+        [heads_w, heads_b],
+        loss_fn,
+        train_ids,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        seed=seed,
+        clip=None,
+        progress=progress,
+    )
+    windows = _heldout(val_ids, seq_len)
     with torch.no_grad():
-        val_loss, val_accs = _medusa_loss(heads_w, heads_b, features(windows), lm_head, windows)
+        hidden = model.model(input_ids=windows).last_hidden_state
+        val_loss, val_accs = _medusa_loss(heads_w, heads_b, hidden, lm_head, windows)
     meta = {
         "method": "medusa",
         "num_heads": num_heads,
@@ -160,22 +189,8 @@ def train_eagle(
     from transformers import LlamaModel as HFLlamaModel
 
     from ..drafters.eagle import KIND
-    from ..models import resolve
 
-    for name, v in (("--steps", steps), ("--batch-size", batch_size)):
-        if v < 1:
-            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
-    if seq_len < 4:
-        raise SpecDecodeError(f"--seq-len must be >= 4, got {seq_len}")
-    if not lr > 0:
-        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
-    target_dir = resolve(target)
-    meta_file = target_dir / "training.json"
-    family = json.loads(meta_file.read_text()).get("family") if meta_file.exists() else None
-    glob = FAMILIES[family].file_glob if family in FAMILIES else "*.txt"
-    model, tok = _target_and_tokenizer(target_dir)
-    text = read_corpus(corpus, glob)
-    train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
+    model, train_ids, val_ids = _setup(target, corpus, steps, batch_size, seq_len, 4, lr)
     tc = model.config
     d = tc.hidden_size
     torch.manual_seed(seed)
@@ -194,7 +209,6 @@ def train_eagle(
     layer = HFLlamaModel(layer_cfg).float().train()
     fc = torch.nn.Linear(2 * d, d)
     params = [*layer.parameters(), *fc.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     embed, lm_head = model.model.embed_tokens, model.lm_head.weight
 
     def losses(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -208,31 +222,25 @@ def train_eagle(
         acc = float((logits.argmax(-1) == ids[:, 2:]).float().mean())
         return reg + cls_weight * cls, acc
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    def step_loss(ids: torch.Tensor):
+        loss, acc = losses(ids)
+        return loss, f"{acc:.2f}"
 
     t0 = time.perf_counter()
-    loss_value, acc = float("nan"), 0.0
-    with Progress(
-        TextColumn("eagle drafter"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
-        TimeElapsedColumn(),
-        disable=not progress,
-    ) as bar:
-        task = bar.add_task("eagle", total=steps, info="")
-        for step in range(steps):
-            ids = torch.from_numpy(batch_at(train_ids, step, seed, batch_size, seq_len).astype(np.int64))
-            frac = step / max(1, steps - 1)
-            for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 20)) * 0.5 * (1 + np.cos(np.pi * frac))
-            loss, acc = losses(ids)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            loss_value = loss.item()
-            bar.update(task, advance=1, info=f"loss {loss_value:.3f} top-1 {acc:.2f}")
-    windows = torch.from_numpy(eval_windows(val_ids, seq_len, 32).astype(np.int64))
+    loss_value = _optimise(
+        "eagle drafter",
+        params,
+        step_loss,
+        train_ids,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        seed=seed,
+        clip=1.0,
+        progress=progress,
+    )
+    windows = _heldout(val_ids, seq_len)
     layer.eval()
     with torch.no_grad():
         val_loss, val_acc = losses(windows)
