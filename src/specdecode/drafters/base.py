@@ -44,6 +44,41 @@ class StopTracker:
         return self.lengths if self.stop_below is not None else None
 
 
+class DraftChain:
+    """One round's chain of draft tokens: each drawn from the drafter's logits (warped and
+    sampled, or argmax when the batch is greedy), its draft probs kept, and per-row stops on
+    low confidence tracked. The shared part of every autoregressive drafter's propose()."""
+
+    def __init__(self, batch: Batch, stop_below: float | None) -> None:
+        self.batch, self.stop_below = batch, stop_below
+        self.greedy = batch.warp.all_greedy
+        self.tokens: list[torch.Tensor] = []  # each [B]
+        self.probs: list[torch.Tensor] = []  # each [B, V] (empty when greedy)
+        self.stop = StopTracker(batch.size, stop_below)
+
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Draw the next token [B] from logits [B, V]; also True once every row has stopped."""
+        from ..sampling import logits_to_probs, sample
+
+        if self.greedy:
+            tok = logits.argmax(-1)
+        else:
+            q = logits_to_probs(logits.unsqueeze(1), self.batch.warp).squeeze(1)  # [B, V]
+            tok = sample(q, self.batch.exp_noise(q.shape[-1]))
+            self.probs.append(q)
+        self.tokens.append(tok)
+        conf = None
+        if self.stop_below is not None:
+            conf = confidence(logits, self.probs or None, tok.view(-1, 1))
+        return tok, self.stop.update(len(self.tokens) - 1, conf)
+
+    def proposal(self, lengths: torch.Tensor | None = None) -> Proposal:
+        probs = None if self.greedy else torch.stack(self.probs, 1)
+        return Proposal(
+            torch.stack(self.tokens, 1), probs, self.stop.result() if lengths is None else lengths
+        )
+
+
 class Drafter(Protocol):
     def start(self, batch: Batch, target_cache) -> None:
         """A new batch begins: set up per-row state (caches) for batch.tokens / batch.lengths.

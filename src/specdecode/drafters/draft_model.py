@@ -8,9 +8,8 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM, extend
-from ..sampling import logits_to_probs, sample
 from ..tree import TokenTree
-from .base import Proposal, StopTracker, confidence
+from .base import DraftChain, Proposal
 
 if TYPE_CHECKING:
     from ..engine import Batch
@@ -34,24 +33,14 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        greedy = batch.warp.all_greedy
         logits = extend(self.model, self.cache, batch.tokens, batch.lengths)  # [B, V]
-        tokens, probs = [], []
-        stop = StopTracker(batch.size, stop_below)
+        chain = DraftChain(batch, stop_below)
         for i in range(k):
-            if greedy:
-                tok = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits.unsqueeze(1), batch.warp).squeeze(1)  # [B, V]
-                tok = sample(q, batch.exp_noise(q.shape[-1]))
-                probs.append(q)
-            tokens.append(tok)
-            conf = confidence(logits, probs or None, tok.view(-1, 1)) if stop_below is not None else None
-            if stop.update(i, conf):
+            tok, stopped = chain.draw(logits)
+            if stopped or i == k - 1:
                 break
-            if i < k - 1:
-                logits = self.model.forward(tok.view(-1, 1), self.cache)[:, -1]
-        return Proposal(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), stop.result())
+            logits = self.model.forward(tok.view(-1, 1), self.cache)[:, -1]
+        return chain.proposal()
 
     @torch.inference_mode()
     def propose_tree(self, batch: Batch, tree: TokenTree) -> torch.Tensor:

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
 from ..models.llama import LlamaConfig, LlamaModel
-from ..sampling import logits_to_probs, sample
-from .base import Proposal, StopTracker, confidence
+from .base import DraftChain, Proposal
 
 if TYPE_CHECKING:
     from ..engine import Batch
@@ -137,32 +136,21 @@ class EagleDrafter:
         if int((batch.lengths - 1 - self.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
             return Proposal.empty(B)
         logits, feat, todo = self._catch_up(batch)
-        greedy = batch.warp.all_greedy
-        tokens, probs = [], []
-        stop = StopTracker(B, stop_below)
+        chain = DraftChain(batch, stop_below)
         for i in range(k):
-            if greedy:
-                tok = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits.unsqueeze(1), batch.warp).squeeze(1)
-                tok = sample(q, batch.exp_noise(q.shape[-1]))
-                probs.append(q)
-            tokens.append(tok)
-            conf = confidence(logits, probs or None, tok.view(-1, 1)) if stop_below is not None else None
-            if stop.update(i, conf) or i == k - 1:
+            tok, stopped = chain.draw(logits)
+            if stopped or i == k - 1:
                 break
             fused = self._fuse(tok.view(B, 1), feat.view(B, 1, -1))
             out, h = self.layer.forward(
                 tok.view(B, 1), self.cache, inputs_embeds=fused, offset=i, advance=False, return_hidden=True
             )
             logits, feat = out[:, -1], h[:, -1]
-        lengths = stop.result()
+        lengths = chain.stop.result()
         if lengths is None:
-            lengths = torch.full((B,), len(tokens), dtype=torch.long)
-        lengths = torch.where(
-            todo > 0, lengths, torch.zeros_like(lengths)
-        )  # rows with no feature draft nothing
-        return Proposal(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), lengths)
+            lengths = torch.full((B,), len(chain.tokens), dtype=torch.long)
+        # rows with no feature yet draft nothing
+        return chain.proposal(torch.where(todo > 0, lengths, torch.zeros_like(lengths)))
 
     def commit(self, lengths: torch.Tensor) -> None:
         self.cache.rewind(torch.minimum(self.cache.lengths, (lengths - 1).clamp(min=0)))

@@ -11,8 +11,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..models.llama import LlamaModel
-from ..sampling import logits_to_probs, sample
-from .base import Proposal, StopTracker, confidence
+from .base import DraftChain, Proposal
 
 if TYPE_CHECKING:
     from ..engine import Batch
@@ -38,23 +37,15 @@ class EarlyExitDrafter:
     @torch.inference_mode()
     def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
         B = batch.size
-        greedy = batch.warp.all_greedy
         tok = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))  # the pending token
-        tokens, probs = [], []
-        stop = StopTracker(B, stop_below)
+        chain = DraftChain(batch, stop_below)
         for i in range(k):
             logits = self.target.forward(tok, self.cache, num_layers=self.exit_layer, offset=i)[:, -1]
-            if greedy:
-                nxt = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits.unsqueeze(1), batch.warp).squeeze(1)  # [B, V]
-                nxt = sample(q, batch.exp_noise(q.shape[-1]))
-                probs.append(q)
-            tokens.append(nxt)
-            tok = nxt.view(B, 1)
-            if stop.update(i, confidence(logits, probs or None, tok) if stop_below is not None else None):
+            nxt, stopped = chain.draw(logits)
+            if stopped:
                 break
-        return Proposal(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), stop.result())
+            tok = nxt.view(B, 1)
+        return chain.proposal()
 
     def commit(self, lengths: torch.Tensor) -> None:
         pass  # the target cache is rewound by the engine
