@@ -125,3 +125,26 @@ def test_tree_needs_method_draft_lean_models_and_fixed_policy(models, tmp_path):
     hf = load(init_model(tmp_path / "m", vocab=64, layers=1, dim=16, seed=0), backend="hf")
     with pytest.raises(SpecDecodeError, match="lean runtime"):
         SpeculativeGenerator(target, draft=hf, tree="2,2")
+
+
+def test_tree_check_catches_resampling_from_p_after_every_candidate_is_rejected():
+    """Negative control: redraw the first token from p itself (not from p without the rejected
+    candidates) when the walk stops at the root; the same check must reject it."""
+    rng = np.random.default_rng(1)
+    V, B = 10, 200_000
+    tree = TokenTree.parse("3,2")
+    probs = torch.tensor(rng.dirichlet(np.ones(V) * 0.7, size=tree.size + 1))
+    nodes = torch.tensor([2, 5, 7, 1, 2, 0, 9, 3, 4])
+    g = torch.Generator().manual_seed(0)
+    v = verify_tree(
+        tree,
+        nodes.expand(B, -1),
+        probs.expand(B, -1, -1),
+        probs.expand(B, -1, -1),
+        torch.rand(B, tree.size, generator=g, dtype=torch.float64),
+        torch.empty(B, V, dtype=torch.float64).exponential_(generator=g),
+    )
+    redraw = torch.multinomial(probs[0], B, replacement=True, generator=g).numpy()
+    first = np.array([t[0] if p else redraw[b] for b, (t, p) in enumerate(zip(v.tokens, v.path))])
+    ok, msg = check_distribution(first, probs[0].numpy())
+    assert not ok, msg
