@@ -28,6 +28,13 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    def aligned_start(self) -> int | None:
+        """The common length of every row (the next write slot), or None if rows differ."""
+        first = int(self.lengths[0])
+        if self.lengths.shape[0] == 1 or bool((self.lengths == first).all()):
+            return first
+        return None
+
     def positions(self, num_new: int, offset: int = 0) -> torch.Tensor:
         """[B, T] positions of the next num_new tokens of every row, after `offset` tokens that
         are written but not (yet) counted in lengths (an early-exit draft's)."""

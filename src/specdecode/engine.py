@@ -392,14 +392,16 @@ class SpeculativeGenerator:
         write = torch.arange(k + 1).view(1, k + 1) < n_emit.view(B, 1)
         batch.tokens.scatter_(1, pos, torch.where(write, verdict.tokens, batch.tokens.gather(1, pos)))
         batch.lengths = batch.lengths + n_emit
-        return self._emit(batch, verdict, draft_tokens, round_no, eos, state)
+        return self._emit(batch, verdict, draft_tokens, round_no, eos, state, (t1 - t0, t2 - t1))
 
     def _tree_round(self, batch: Batch, cache, round_no: int, eos: torch.Tensor, state: dict) -> RoundEvent:
         """One round with a token tree: all candidates in one target forward, the accepted path
         kept in the cache. Reported like a chain whose drafts are the accepted path (plus the
         level where every candidate was rejected)."""
         B, tree = batch.size, self.tree
+        t0 = time.perf_counter()
         nodes = self.drafter.propose_tree(batch, tree)  # [B, N]
+        t1 = time.perf_counter()
         pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
         base = cache.lengths.clone()  # the pending token's slot
         out = self.target.forward(
@@ -410,6 +412,7 @@ class SpeculativeGenerator:
             **self._hidden_kw,
         )
         logits, hidden = out if self._needs_hidden else (out, None)  # [B, N + 1, V], [B, N + 1, d]
+        t2 = time.perf_counter()
         greedy = batch.warp.all_greedy
         probs = None if greedy else logits_to_probs(logits, batch.warp)
         tv = verify_tree(
@@ -445,7 +448,7 @@ class SpeculativeGenerator:
         write = torch.arange(D + 1).view(1, D + 1) < verdict.num_emitted.view(B, 1)
         batch.tokens.scatter_(1, pos, torch.where(write, tokens, batch.tokens.gather(1, pos)))
         batch.lengths = batch.lengths + verdict.num_emitted
-        return self._emit(batch, verdict, tokens[:, :D], round_no, eos, state)
+        return self._emit(batch, verdict, tokens[:, :D], round_no, eos, state, (t1 - t0, t2 - t1))
 
     def _emit(
         self,
@@ -455,6 +458,7 @@ class SpeculativeGenerator:
         round_no: int,
         eos: torch.Tensor,
         state: dict,
+        times: tuple[float, float],
     ) -> RoundEvent:
         """Apply the stop rules (max_new_tokens, EOS, stop strings) and record stats."""
         tokens = verdict.tokens.tolist()
@@ -487,6 +491,8 @@ class SpeculativeGenerator:
             st = state["stats"][row]
             st.rounds += 1
             st.target_forwards += 1
+            st.draft_s += times[0]
+            st.target_s += times[1]
             kk = drafted[i]
             st.drafted += kk
             st.accepted += sum(accepted[i][:kk])

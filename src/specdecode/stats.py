@@ -17,6 +17,8 @@ class GenerationStats:
     checked was accepted, Leviathan et al.'s alpha (= E[min(1, p/q)] = 1 - TV(p, q)), the
     alpha of (1 - alpha^(k+1)) / (1 - alpha). Positions after a rejection are never tested.
     draft_acceptance_rate = accepted / drafted (vLLM's figure; it also counts untested drafts).
+    draft_s and target_s are the seconds the row's batch spent proposing and in the target's
+    decoding forwards (shared by the rows of a batch; the rest of wall_s is prefill and overhead).
     per_position_acceptance[i] is the fraction of rounds whose draft position i was accepted
     (vLLM's convention: not conditioned on reaching position i).
     """
@@ -28,6 +30,8 @@ class GenerationStats:
     accepted: int = 0
     new_tokens: int = 0
     wall_s: float = 0.0
+    draft_s: float = 0.0  # seconds the row's batch spent proposing drafts
+    target_s: float = 0.0  # seconds the row's batch spent in decoding target forwards
     position_accepted: list[int] = field(default_factory=list)
     position_drafted: list[int] = field(default_factory=list)
 
@@ -66,6 +70,8 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
+            "draft_s": self.draft_s,
+            "target_s": self.target_s,
         }
 
     @staticmethod
@@ -84,6 +90,8 @@ class GenerationStats:
             accepted=sum(p.accepted for p in parts),
             new_tokens=sum(p.new_tokens for p in parts),
             wall_s=wall_s,
+            draft_s=max((p.draft_s for p in parts), default=0.0),  # rows of one batch share them
+            target_s=max((p.target_s for p in parts), default=0.0),
             position_accepted=col("position_accepted"),
             position_drafted=col("position_drafted"),
         )

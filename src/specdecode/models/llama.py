@@ -66,15 +66,19 @@ class LlamaConfig:
 
 @dataclass
 class _Layer:
+    """One decoder layer's weights. Matrices are stored transposed ([in, out], contiguous): on
+    this CPU torch.mm / addmm with that layout is faster than F.linear, most of all for the
+    few-row products of verification, and addmm adds the residual in the same call."""
+
     attn_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
+    w_qkv: torch.Tensor  # [hidden, (H + 2*Hkv) * D]
     b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
+    w_o: torch.Tensor  # [H * D, hidden]
     b_o: torch.Tensor | None
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 * inter, hidden]
+    w_gate_up: torch.Tensor  # [hidden, 2 * inter]
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor
+    w_down: torch.Tensor  # [inter, hidden]
     b_down: torch.Tensor | None
 
 
@@ -90,13 +94,12 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None):
+    """x [N, in] @ w_t [in, out] (+ b) (+ residual) with as few kernel calls as possible."""
+    if residual is None:
+        return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
+    out = torch.addmm(residual, x, w_t)
+    return out if b is None else out + b
 
 
 class LlamaModel:
@@ -117,6 +120,9 @@ class LlamaModel:
             parts = [opt(n) for n in names]
             return torch.cat(parts) if all(p is not None for p in parts) else None
 
+        def t(x: torch.Tensor) -> torch.Tensor:
+            return x.t().contiguous()
+
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
         if "lm_head.weight" in weights and not cfg.tie_word_embeddings:
@@ -130,14 +136,14 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    w_qkv=torch.cat([w(n + ".weight") for n in qkv]),
+                    w_qkv=t(torch.cat([w(n + ".weight") for n in qkv])),
                     b_qkv=cat_opt([n + ".bias" for n in qkv]),
-                    w_o=w(p + "self_attn.o_proj.weight"),
+                    w_o=t(w(p + "self_attn.o_proj.weight")),
                     b_o=opt(p + "self_attn.o_proj.bias"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    w_gate_up=t(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                     b_gate_up=cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]),
-                    w_down=w(p + "mlp.down_proj.weight"),
+                    w_down=t(w(p + "mlp.down_proj.weight")),
                     b_down=opt(p + "mlp.down_proj.bias"),
                 )
             )
@@ -168,17 +174,32 @@ class LlamaModel:
         c = self.cfg
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype)
 
-    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(pos.max()) + 1
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """[V, hidden] output projection (the embedding when tied)."""
+        return self._lm_head
+
+    @lm_head.setter
+    def lm_head(self, weight: torch.Tensor) -> None:
+        self._lm_head = weight
+        self._lm_head_t = weight.t().contiguous()  # [hidden, V] for torch.mm
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [..., hidden] -> logits [..., V]."""
+        return torch.mm(x.reshape(-1, x.shape[-1]), self._lm_head_t).view(*x.shape[:-1], -1)
+
+    def _rope_tables(self, need: int) -> None:
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 256)
             D = self.cfg.head_dim
             inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
             freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            # rotate_half(x) * sin == x.roll(D/2) * [-sin, sin]: the sign lives in the table
+            sin = emb.sin()
+            sin[:, : D // 2] *= -1
+            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
             self._rope_len = n
-        return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
 
     @torch.inference_mode()
     def forward(
@@ -205,49 +226,71 @@ class LlamaModel:
         attend to (every slot below the length is always visible). advance=False leaves lengths.
         return_hidden: also return the final-normed hidden states [B, T, hidden] (the features
         Medusa heads and EAGLE read). inputs_embeds [B, T, hidden] replaces the token embeddings
-        (EAGLE feeds fused features)."""
+        (EAGLE feeds fused features).
+
+        The common case (every row at the same length, a plain causal chain) runs on slices
+        with Python-int positions: no gathers, no index writes, and no mask at all for T = 1.
+        """
         c = self.cfg
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        pos = cache.positions(T, offset)  # [B, T] cache slots
-        cos, sin = self._rope(pos if positions is None else positions)
-        x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
-        S = None
-        mask = None
+        start = cache.aligned_start()  # the one length of every row, or None
+        if start is not None and positions is None and tree_mask is None:
+            s = start + offset
+            S = s + T
+            if S > cache.capacity:
+                raise SpecDecodeError(
+                    f"sequence longer than the cache ({cache.capacity} tokens); lower max_new_tokens"
+                )
+            self._rope_tables(S)
+            cos, sin = self._cos[s:S].view(1, T, 1, D), self._sin[s:S].view(1, T, 1, D)
+            pos = None
+            # query t sees keys 0..s+t; one causal block over the new tokens (T = 1: no mask)
+            mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(s).repeat(G, 1)
+        else:
+            pos = cache.positions(T, offset)  # [B, T] cache slots
+            rope_pos = pos if positions is None else positions
+            self._rope_tables(int(rope_pos.max()) + 1)
+            cos, sin = self._cos[rope_pos].unsqueeze(2), self._sin[rope_pos].unsqueeze(2)  # [B, T, 1, D]
+            S = int(pos.max()) + 1
+            if tree_mask is None:
+                allowed = torch.arange(S).view(1, 1, S) <= pos.view(B, T, 1)
+            else:
+                rel = torch.arange(S).view(1, S) - cache.lengths.view(B, 1)  # [B, S]
+                W = tree_mask.shape[1]
+                block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
+                allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
+            mask = allowed.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S]
+        x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
+        x = x.reshape(B * T, c.hidden_size)
+        eps, hidden_shape = c.rms_norm_eps, (c.hidden_size,)
         for i, layer in enumerate(layers):
-            h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = q.view(B, T, H, D).transpose(1, 2)
-            k = k.view(B, T, Hkv, D).transpose(1, 2)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            S = cache.write(i, pos, k, v)
-            if mask is None:
-                # [B, 1, G*T, S]: query t of row b sees keys at positions <= pos[b, t]
-                if tree_mask is None:
-                    allowed = torch.arange(S).view(1, 1, S) <= pos.view(B, T, 1)
-                else:
-                    rel = torch.arange(S).view(1, S) - cache.lengths.view(B, 1)  # [B, S]
-                    W = tree_mask.shape[1]
-                    block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
-                    allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
-                mask = allowed.unsqueeze(1).repeat(1, 1, G, 1)
+            h = F.rms_norm(x, hidden_shape, layer.attn_norm, eps)
+            qkv = _linear(h, layer.w_qkv, layer.b_qkv).view(B, T, H + 2 * Hkv, D)
+            qk = qkv[:, :, : H + Hkv]
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
+            k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+            if pos is None:
+                cache.k[i, :, :, s:S] = k
+                cache.v[i, :, :, s:S] = v
+            else:
+                cache.write(i, pos, k, v)
             keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]
             # grouped-query attention without copying K/V: fold the G query heads of each
             # kv head into the query-length axis
-            qg = q.reshape(B, Hkv, G * T, D)
-            attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-            attn = attn.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-            x = x + F.linear(attn, layer.w_o, layer.b_o)
-            h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+            x = _linear(attn, layer.w_o, layer.b_o, residual=x)
+            h = F.rms_norm(x, hidden_shape, layer.mlp_norm, eps)
+            gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)
+            inter = c.intermediate_size
+            x = _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down, residual=x)
         if num_layers is None and advance:
             cache.advance(T)
-        x = _rms_norm(x, self.final_norm, c.rms_norm_eps)
-        logits = F.linear(x, self.lm_head)
+        x = F.rms_norm(x, hidden_shape, self.final_norm, eps)
+        logits = torch.mm(x, self._lm_head_t).view(B, T, -1)
+        x = x.view(B, T, -1)
         return (logits, x) if return_hidden else logits
