@@ -189,17 +189,41 @@ def test_heuristic_policy_adds_two_after_full_acceptance_and_drops_one_otherwise
 
 
 def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_cannot_pay():
-    cheap = OptimalPolicy(4, max_k=16)
-    for _ in range(50):
-        cheap.observe(outcome(4, 3, False, draft_s=0.0004, target_s=0.01))  # alpha ~ 0.75, c ~ 0.01
     from specdecode.theory import optimal_k
 
+    cheap = OptimalPolicy(4, max_k=16)
+    cheap.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))  # an undrafted round: T(1)
+    for _ in range(50):
+        cheap.observe(outcome(4, 3, False, draft_s=0.0004, target_s=0.01))  # alpha ~ 0.75, c ~ 0.01
+    # verification as cheap as one token: exactly Theorem 3.8
     assert cheap.next_k() == optimal_k(cheap.alpha, cheap.cost_ratio, 16) > 4
     dear = OptimalPolicy(4, probe_every=4)
+    dear.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
     for _ in range(50):
         dear.observe(outcome(4, 1, False, draft_s=0.04, target_s=0.01))  # c = 1: never pays
     ks = [dear.next_k() for _ in range(8)]
     assert ks.count(0) == 6 and ks.count(1) == 2  # off, probing with k = 1 every 4th round
+
+
+def test_optimal_policy_measures_one_token_cost_after_the_first_drafted_round():
+    p = OptimalPolicy(4)
+    assert p.next_k() == 4  # nothing measured yet
+    p.observe(outcome(4, 3, False))
+    assert p.next_k() == 0  # an undrafted round measures T(1)
+    p.observe(outcome(0, 0, False))
+    assert p.next_k() > 0
+
+
+def test_optimal_policy_shortens_k_then_stops_as_verification_becomes_compute_bound():
+    ks = []
+    for slope in (0.0, 0.1, 0.5, 2.0):  # T(n) = T(1) (1 + slope (n - 1)), as in a growing batch
+        p = OptimalPolicy(4, max_k=16)
+        p.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
+        for _ in range(50):
+            p.observe(outcome(4, 3, False, draft_s=0.0004, target_s=0.01 * (1 + 4 * slope)))
+        ks.append(p.next_k())
+    assert ks[0] > ks[1] > ks[2] > ks[3] == 0, ks
+    assert ks[2] == 1  # slope 0.5: S(1) = 1.75 / 1.51 = 1.16 beats S(2) = 2.31 / 2.02 = 1.14
 
 
 def test_unknown_policy_and_bad_threshold_are_clear_errors(models):

@@ -26,7 +26,7 @@ from .errors import SpecDecodeError
 from .models.base import CausalLM, extend
 from .models.llama import LlamaModel
 from .policy import RoundOutcome, make_policy
-from .sampling import SamplingParams, Warp, logits_to_probs
+from .sampling import SamplingParams, Warp, logits_to_probs, sample
 from .stats import HOW, GenerationStats, RoundRecord
 from .tree import TokenTree, verify_tree
 from .verify import Verdict, verify_chain, verify_greedy
@@ -350,6 +350,8 @@ class SpeculativeGenerator:
         draft_tokens, n_drafts = proposal.tokens, proposal.lengths
         k = draft_tokens.shape[1]  # a drafter may propose fewer
         t1 = time.perf_counter()
+        if k == 0:
+            return self._plain_round(batch, cache, policy, round_no, eos, state, t1 - t0)
         pending = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))
         out = self.target.forward(torch.cat([pending, draft_tokens], 1), cache, **self._hidden_kw)
         logits, hidden = out if self._needs_hidden else (out, None)  # [B, k+1, V], [B, k+1, d]
@@ -393,6 +395,33 @@ class SpeculativeGenerator:
         batch.tokens.scatter_(1, pos, torch.where(write, verdict.tokens, batch.tokens.gather(1, pos)))
         batch.lengths = batch.lengths + n_emit
         return self._emit(batch, verdict, draft_tokens, round_no, eos, state, (t1 - t0, t2 - t1))
+
+    def _plain_round(
+        self, batch: Batch, cache, policy, round_no: int, eos: torch.Tensor, state: dict, draft_s: float
+    ) -> RoundEvent:
+        """A round with nothing drafted (target-only decoding, or a policy that paused drafting):
+        one target step and one token per row, with none of the verification machinery."""
+        B = batch.size
+        t1 = time.perf_counter()
+        rows = torch.arange(B)
+        pending = batch.tokens[rows, batch.lengths - 1].view(B, 1)
+        out = self.target.forward(pending, cache, **self._hidden_kw)
+        logits, hidden = out if self._needs_hidden else (out, None)  # [B, 1, V], [B, 1, d]
+        t2 = time.perf_counter()
+        if batch.warp.all_greedy:
+            token = logits[:, 0].argmax(-1)
+        else:
+            token = sample(logits_to_probs(logits, batch.warp)[:, 0], batch.exp_noise(logits.shape[-1]))
+        verdict = Verdict.plain(token)
+        if policy is not None:
+            policy.observe(RoundOutcome(0, 0, 0, B, False, draft_s, t2 - t1))
+        if self.drafter is not None:
+            if hidden is not None:
+                self.drafter.observe_features(hidden, batch.lengths - 1, verdict.num_emitted)
+            self.drafter.commit(batch.lengths)
+        batch.tokens[rows, batch.lengths] = token  # live rows have room (see Batch)
+        batch.lengths = batch.lengths + 1
+        return self._emit(batch, verdict, verdict.tokens[:, :0], round_no, eos, state, (draft_s, t2 - t1))
 
     def _tree_round(self, batch: Batch, cache, round_no: int, eos: torch.Tensor, state: dict) -> RoundEvent:
         """One round with a token tree: all candidates in one target forward, the accepted path

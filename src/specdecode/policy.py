@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import SpecDecodeError
-from .theory import expected_speedup, optimal_k
+from .theory import expected_tokens_per_round
 
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
 
@@ -74,43 +74,79 @@ class ConfidencePolicy(FixedPolicy):
 
 
 class OptimalPolicy(FixedPolicy):
-    """k from Leviathan et al.'s Theorem 3.8 each round: maximise (1 − α^(k+1)) / ((1 − α)(kc + 1))
-    with α the acceptance rate so far and c the measured cost of a draft token relative to a
-    target forward. If no k beats target-only decoding, draft nothing, probing with k = 1 every
-    `probe_every` rounds so α and c stay current."""
+    """k each round from Leviathan et al.'s Theorem 3.8, with the verification cost measured:
+    maximise S(k) = τ(α, k) · T(1) / (k·d + T(k+1)), τ = (1 − α^(k+1)) / (1 − α), where α is the
+    acceptance rate so far, d the measured seconds per draft token and T(n) the measured
+    seconds of a target forward over n tokens per row. With T(k+1) = T(1) this is the theorem's
+    (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / T(1).
+
+    T(n) is kept per width (moving average) and read off a straight line through the widths
+    measured so far, so when a large batch makes the verification forward compute-bound
+    (T(k+1) >> T(1)) the policy shortens k or stops drafting. T(1) is measured by an undrafted
+    round after the first drafted one and every `refresh_every` rounds. If no k beats
+    target-only decoding, draft nothing, probing with k = 1 every `probe_every` rounds so α and
+    the costs stay current."""
 
     name = "optimal"
 
-    def __init__(self, k: int, max_k: int | None = None, probe_every: int = 16) -> None:
+    def __init__(
+        self, k: int, max_k: int | None = None, probe_every: int = 16, refresh_every: int = 64
+    ) -> None:
         super().__init__(k)
         self.max_k = max_k or max(2 * k, 8)
         self.probe_every = probe_every
+        self.refresh_every = refresh_every
         self.tested = self.accepted = 0
-        self.draft_s_per_token = self.target_s = 0.0
-        self.rounds_off = 0
+        self.draft_s_per_token = 0.0
+        self.width_s: dict[int, float] = {}  # n tokens per row -> seconds per target forward
+        self.rounds = self.rounds_off = 0
 
     @property
     def alpha(self) -> float:
         # a prior of one accepted and one rejected test keeps α away from 0 and 1 early on
         return (self.accepted + 1) / (self.tested + 2)
 
+    def target_cost(self, n: int) -> float:
+        """Seconds of a target forward over n tokens per row: measured, or on the least-squares
+        line through the measured widths (never falling with n; flat if one width is known)."""
+        if n in self.width_s or not self.width_s:
+            return self.width_s.get(n, 0.0)
+        xs, ys = list(self.width_s), list(self.width_s.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+        return max(my + slope * (n - mx), min(ys))
+
     @property
     def cost_ratio(self) -> float:
-        return self.draft_s_per_token / self.target_s if self.target_s > 0 else 0.0
+        """c = d / T(1): a draft token's cost relative to a one-token target forward."""
+        t1 = self.target_cost(1)
+        return self.draft_s_per_token / t1 if t1 > 0 else 0.0
+
+    def speedup(self, k: int) -> float:
+        """Expected speed-up over target-only decoding at draft length k (1.0 at k = 0)."""
+        if k == 0:
+            return 1.0
+        t1 = self.target_cost(1)
+        rounds = expected_tokens_per_round(min(self.alpha, 0.999), k)
+        return rounds * t1 / (k * self.draft_s_per_token + self.target_cost(k + 1))
 
     def next_k(self) -> int:
-        if self.tested == 0 or self.target_s == 0:
+        self.rounds += 1
+        if self.tested == 0 or not self.width_s:
             return self.k  # no measurement yet
-        a, c = min(self.alpha, 0.999), self.cost_ratio
-        best = optimal_k(a, c, self.max_k)
-        if expected_speedup(a, best, c) < 1:
+        if 1 not in self.width_s or self.rounds % self.refresh_every == 0:
+            return 0  # measure T(1)
+        best = max(range(1, self.max_k + 1), key=self.speedup)
+        if self.speedup(best) < 1:
             self.rounds_off += 1
             return 1 if self.rounds_off % self.probe_every == 0 else 0
         self.rounds_off = 0
         return best
 
     def observe(self, outcome: RoundOutcome) -> None:
-        self.target_s = _ema(self.target_s, outcome.target_s)
+        n = outcome.drafted + 1
+        self.width_s[n] = _ema(self.width_s.get(n, 0.0), outcome.target_s)
         if outcome.drafted == 0:
             return
         self.tested += outcome.tested

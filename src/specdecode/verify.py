@@ -28,6 +28,14 @@ class Verdict:
     accepted_mask: torch.Tensor  # [B, k] bool: position i accepted (False after the first rejection)
     draft_lengths: torch.Tensor  # [B] long: draft tokens of each row (positions beyond are padding)
 
+    @staticmethod
+    def plain(token: torch.Tensor) -> Verdict:
+        """A round with no drafts: one target token [B] per row."""
+        B = token.shape[0]
+        none = torch.zeros(B, 0)
+        zeros = torch.zeros(B, dtype=torch.long)
+        return Verdict(zeros, token.view(B, 1), none, none, none, None, none.bool(), zeros)
+
     @property
     def num_emitted(self) -> torch.Tensor:
         return self.accepted + 1
