@@ -201,13 +201,14 @@ def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_canno
     dear.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
     for _ in range(50):
         dear.observe(outcome(4, 1, False, draft_s=0.04, target_s=0.01))  # c = 1: never pays
-    ks = [dear.next_k() for _ in range(8)]
-    assert ks.count(0) == 6 and ks.count(1) == 2  # off, probing with k = 1 every 4th round
+    ks = [dear.next_k() for _ in range(28)]
+    # off, probing with k = 1 after 4 rounds, then after 8, then 16 (each probe doubles the wait)
+    assert [i + 1 for i, k in enumerate(ks) if k] == [4, 12, 28] and set(ks) == {0, 1}
 
 
 def test_optimal_policy_measures_one_token_cost_after_the_first_drafted_round():
     p = OptimalPolicy(4)
-    assert p.next_k() == 4  # nothing measured yet
+    assert p.next_k() == 1  # nothing measured yet: a cheap probe
     p.observe(outcome(4, 3, False))
     assert p.next_k() == 0  # an undrafted round measures T(1)
     p.observe(outcome(0, 0, False))

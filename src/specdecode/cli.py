@@ -328,19 +328,27 @@ def _add_bench(sub) -> None:
         "T(k+1)/T(1); writes bench.json, bench.md and bench.png to --out. --scaling instead measures "
         "per-token cost against context length and batch size (scaling.json/.md/.png).",
     )
-    b.add_argument("--quick", action="store_true", help="fewer configurations, prompts and tokens (< 3 minutes)")
+    b.add_argument(
+        "--quick", action="store_true", help="fewer configurations, prompts and tokens (< 3 minutes)"
+    )
     b.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
     b.add_argument("--out", default="benchmarks/latest", help="directory for the JSON, markdown and plot")
-    b.add_argument("--family", action="append", help="three-kingdoms or python-code (repeatable; default both)")
+    b.add_argument(
+        "--family", action="append", help="three-kingdoms or python-code (repeatable; default both)"
+    )
     b.add_argument("--k", type=int, help="draft tokens per round for the fixed configurations (default 4)")
     b.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 64, quick 48)")
     b.add_argument("--repeats", type=int, help="interleaved repeats (default 3)")
-    b.add_argument("--prompts", type=int, dest="prompts_per_set", help="prompts per set, 1..4 (default 4, quick 2)")
+    b.add_argument(
+        "--prompts", type=int, dest="prompts_per_set", help="prompts per set, 1..4 (default 4, quick 2)"
+    )
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.add_argument("--scaling", action="store_true", help="run the context-length and batch-size study instead")
+    b.add_argument(
+        "--scaling", action="store_true", help="run the context-length and batch-size study instead"
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -284,6 +284,7 @@ class SpeculativeGenerator:
             "reason": ["length"] * n,
             "text": [None] * n,
             "wall_s": 0.0,
+            "prefill_s": 0.0,
         }
 
     def _results(self, state: dict) -> list[GenerationResult]:
@@ -293,6 +294,7 @@ class SpeculativeGenerator:
             st = state["stats"][b]
             st.new_tokens = len(ids)
             st.wall_s = state["wall_s"]
+            st.prefill_s = state["prefill_s"]
             text = state["text"][b]
             if text is None:
                 text = tok.decode(ids) if tok is not None else ""
@@ -322,6 +324,7 @@ class SpeculativeGenerator:
             self.drafter.start(batch, cache)
             if hidden is not None:  # features of every prompt token but the pending one
                 self.drafter.observe_features(hidden, torch.zeros_like(batch.lengths), batch.lengths - 1)
+        state["prefill_s"] = time.perf_counter() - t0
         eos = torch.tensor(self.target.eos_token_ids, dtype=torch.long)
         round_no = 0
         while batch.size > 0:

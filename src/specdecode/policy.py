@@ -83,9 +83,11 @@ class OptimalPolicy(FixedPolicy):
     T(n) is kept per width (moving average) and read off a straight line through the widths
     measured so far, so when a large batch makes the verification forward compute-bound
     (T(k+1) >> T(1)) the policy shortens k or stops drafting. T(1) is measured by an undrafted
-    round after the first drafted one and every `refresh_every` rounds. If no k beats
-    target-only decoding, draft nothing, probing with k = 1 every `probe_every` rounds so α and
-    the costs stay current."""
+    round after the first drafted one and every `refresh_every` rounds; the first drafted round
+    probes with k = 1 (cheap if drafting turns out not to pay). If no k beats target-only
+    decoding, draft nothing, probing with k = 1 after `probe_every` rounds so α and the costs
+    stay current; each probe that leaves drafting off doubles the wait (up to 256 rounds), so
+    a pair that never pays costs almost nothing over target-only decoding."""
 
     name = "optimal"
 
@@ -100,6 +102,7 @@ class OptimalPolicy(FixedPolicy):
         self.draft_s_per_token = 0.0
         self.width_s: dict[int, float] = {}  # n tokens per row -> seconds per target forward
         self.rounds = self.rounds_off = 0
+        self.probe_wait = probe_every
 
     @property
     def alpha(self) -> float:
@@ -134,14 +137,17 @@ class OptimalPolicy(FixedPolicy):
     def next_k(self) -> int:
         self.rounds += 1
         if self.tested == 0 or not self.width_s:
-            return self.k  # no measurement yet
+            return 1  # no measurement yet: probe
         if 1 not in self.width_s or self.rounds % self.refresh_every == 0:
             return 0  # measure T(1)
         best = max(range(1, self.max_k + 1), key=self.speedup)
         if self.speedup(best) < 1:
             self.rounds_off += 1
-            return 1 if self.rounds_off % self.probe_every == 0 else 0
-        self.rounds_off = 0
+            if self.rounds_off < self.probe_wait:
+                return 0
+            self.rounds_off, self.probe_wait = 0, min(2 * self.probe_wait, 256)
+            return 1
+        self.rounds_off, self.probe_wait = 0, self.probe_every
         return best
 
     def observe(self, outcome: RoundOutcome) -> None:

@@ -30,6 +30,7 @@ class GenerationStats:
     accepted: int = 0
     new_tokens: int = 0
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # seconds of the prompt's prefill (included in wall_s)
     draft_s: float = 0.0  # seconds the row's batch spent proposing drafts
     target_s: float = 0.0  # seconds the row's batch spent in decoding target forwards
     position_accepted: list[int] = field(default_factory=list)
@@ -70,6 +71,7 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
+            "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
             "target_s": self.target_s,
         }
@@ -90,6 +92,7 @@ class GenerationStats:
             accepted=sum(p.accepted for p in parts),
             new_tokens=sum(p.new_tokens for p in parts),
             wall_s=wall_s,
+            prefill_s=max((p.prefill_s for p in parts), default=0.0),
             draft_s=max((p.draft_s for p in parts), default=0.0),  # rows of one batch share them
             target_s=max((p.target_s for p in parts), default=0.0),
             position_accepted=col("position_accepted"),

@@ -33,8 +33,12 @@ OURS_FULL = (
     + [("medusa", "fixed"), ("eagle", "fixed"), ("eagle", "tree 2,2,1")]
 )
 OURS_QUICK = (
-    ("draft", "fixed"), ("draft", "optimal"), ("ngram", "fixed"), ("early-exit", "confidence"),
-    ("medusa", "fixed"), ("eagle", "fixed"),
+    ("draft", "fixed"),
+    ("draft", "optimal"),
+    ("ngram", "fixed"),
+    ("early-exit", "confidence"),
+    ("medusa", "fixed"),
+    ("eagle", "fixed"),
 )
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -79,7 +83,9 @@ class BenchConfig:
 
 def _ours(family: str, target, draft, cfg: BenchConfig) -> list[Runner]:
     k = cfg.k
-    runners: list[Runner] = [OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})]
+    runners: list[Runner] = [
+        OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
+    ]
     for method, policy in OURS_QUICK if cfg.quick else OURS_FULL:
         kw: dict = {"k": k, "method": method}
         if method == "draft":
@@ -102,24 +108,39 @@ def _transformers(family: str, cfg: BenchConfig) -> list[Runner]:
     hf_draft = load_transformers(resolve(FAMILIES[family]))
     defaults = {key: getattr(hf_draft.generation_config, key) for key in ASSISTANT_KEYS}
     k = cfg.k
-    constant = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
-                "assistant_confidence_threshold": 0.0}
+    constant = {
+        "num_assistant_tokens": k,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    }
     return [
         TransformersRunner("transformers generate", hf_target, "generate", {}),
         TransformersRunner(
-            f"transformers assisted (k={k}, constant)", hf_target, "assisted",
-            {"k": k, "draft": FAMILIES[family], **constant}, hf_draft, constant,
+            f"transformers assisted (k={k}, constant)",
+            hf_target,
+            "assisted",
+            {"k": k, "draft": FAMILIES[family], **constant},
+            hf_draft,
+            constant,
         ),
         TransformersRunner(
-            "transformers assisted (defaults)", hf_target, "assisted",
-            {"draft": FAMILIES[family], "generation_config": "defaults (20 tokens, constant, confidence 0.4)"},
-            hf_draft, defaults,
+            "transformers assisted (defaults)",
+            hf_target,
+            "assisted",
+            {
+                "draft": FAMILIES[family],
+                "generation_config": "defaults (20 tokens, constant, confidence 0.4)",
+            },
+            hf_draft,
+            defaults,
         ),
         TransformersRunner(f"transformers prompt lookup (k={k})", hf_target, "lookup", {"k": k}),
     ]
 
 
-def forward_costs(model, context: int = 160, max_n: int = 9, repeats: int = 5, calls: int = 20) -> dict[int, float]:
+def forward_costs(
+    model, context: int = 160, max_n: int = 9, repeats: int = 5, calls: int = 20
+) -> dict[int, float]:
     """Seconds of one target forward over n = 1..max_n new tokens after `context` cached ones
     (interleaved over n, best of `repeats`): the verification cost T(n)."""
     gen = torch.Generator().manual_seed(0)
@@ -164,23 +185,39 @@ def _summarise(cells: list[Cell], costs: dict[int, float]) -> list[dict]:
         rates = c.rates()
         med = statistics.median(rates)
         row = {
-            "family": c.family, "prompt_set": c.prompt_set, "temperature": c.temperature,
-            "config": c.runner.name, "engine": c.runner.engine, "method": c.runner.method,
-            "policy": c.runner.policy, "settings": c.runner.settings,
-            "tokens_per_s": med, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
-            "ms_per_token": 1000 / med, "tokens": int(c.total("tokens")),
+            "family": c.family,
+            "prompt_set": c.prompt_set,
+            "temperature": c.temperature,
+            "config": c.runner.name,
+            "engine": c.runner.engine,
+            "method": c.runner.method,
+            "policy": c.runner.policy,
+            "settings": c.runner.settings,
+            "tokens_per_s": med,
+            "tokens_per_s_min": min(rates),
+            "tokens_per_s_max": max(rates),
+            "ms_per_token": 1000 / med,
+            "tokens": int(c.total("tokens")),
             "tokens_per_forward": c.total("tokens") / c.total("forwards") if c.total("forwards") else None,
         }
         for base_name, key in (
             ("ours target-only", "speedup_vs_ours_target_only"),
             ("transformers generate", "speedup_vs_transformers_generate"),
-            (next((n for (_, _, n) in by if n.startswith("transformers assisted (k=")), ""),
-             "speedup_vs_transformers_assisted"),
+            (
+                next((n for (_, _, n) in by if n.startswith("transformers assisted (k=")), ""),
+                "speedup_vs_transformers_assisted",
+            ),
         ):
             base = by.get((c.prompt_set, c.temperature, base_name))
             row[key] = med / statistics.median(base.rates()) if base else None
-        row.update(alpha=None, mean_k=None, cost_ratio=None, predicted_speedup=None, engine_efficiency=None,
-                   accounted_speedup=None)
+        row.update(
+            alpha=None,
+            mean_k=None,
+            cost_ratio=None,
+            predicted_speedup=None,
+            engine_efficiency=None,
+            accounted_speedup=None,
+        )
         if c.runner.engine == "ours" and c.total("drafted") > 0:
             alpha = c.total("accepted") / c.total("tested") if c.total("tested") else 0.0
             mean_k = c.total("drafted") / c.total("rounds")
@@ -217,47 +254,82 @@ def _targets(results: dict) -> list[dict]:
             return
         worst = min(cells, key=lambda x: x[1]) if higher else max(cells, key=lambda x: x[1])
         values = sorted(v for _, v in cells)
-        out.append({
-            "target": name, "goal": goal, "worst": worst[1], "worst_at": worst[0],
-            "median": statistics.median(values), "cells": len(cells),
-            "met": all((v >= goal) if higher else (v <= goal) for _, v in cells),
-        })
+        out.append(
+            {
+                "target": name,
+                "goal": goal,
+                "worst": worst[1],
+                "worst_at": worst[0],
+                "median": statistics.median(values),
+                "cells": len(cells),
+                "met": all((v >= goal) if higher else (v <= goal) for _, v in cells),
+            }
+        )
 
     def where(r: dict) -> str:
         return f"{r['family']} {r['prompt_set']} T={r['temperature']:g}"
 
-    add("ours target-only >= 4x transformers generate", 4.0,
-        [(where(r), r["speedup_vs_transformers_generate"]) for r in pick("ours target-only")
-         if r["speedup_vs_transformers_generate"]])
-    add("ours draft (fixed k) >= 3x transformers assisted (same pair, same k)", 3.0,
-        [(where(r), r["speedup_vs_transformers_assisted"]) for r in pick("ours draft (fixed)")
-         if r["speedup_vs_transformers_assisted"]])
-    code = [r for r in rows if r["family"] == "python-code" and r["prompt_set"] == "code"
-            and r["temperature"] == 0 and r["engine"] == "ours"]
+    add(
+        "ours target-only >= 4x transformers generate",
+        4.0,
+        [
+            (where(r), r["speedup_vs_transformers_generate"])
+            for r in pick("ours target-only")
+            if r["speedup_vs_transformers_generate"]
+        ],
+    )
+    add(
+        "ours draft (fixed k) >= 3x transformers assisted (same pair, same k)",
+        3.0,
+        [
+            (where(r), r["speedup_vs_transformers_assisted"])
+            for r in pick("ours draft (fixed)")
+            if r["speedup_vs_transformers_assisted"]
+        ],
+    )
+    code = [
+        r
+        for r in rows
+        if r["family"] == "python-code"
+        and r["prompt_set"] == "code"
+        and r["temperature"] == 0
+        and r["engine"] == "ours"
+    ]
     if code:
         best = max(code, key=lambda r: r["speedup_vs_ours_target_only"])
-        add(f"best method >= 2x our target-only, greedy, python-code prompts ({best['config']})", 2.0,
-            [(where(best), best["speedup_vs_ours_target_only"])])
-    add("engine efficiency (measured / Theorem 3.8) >= 0.9, draft model k fixed", 0.9,
-        [(where(r), r["engine_efficiency"]) for r in pick("ours draft (fixed)") if r["engine_efficiency"]])
-    add("verification cost T(k+1)/T(1) <= 1.3 at k = 4", 1.3,
-        [(f, fam["verification_cost_ratio"]["5"]) for f, fam in results["families"].items()], higher=False)
+        add(
+            f"best method >= 2x our target-only, greedy, python-code prompts ({best['config']})",
+            2.0,
+            [(where(best), best["speedup_vs_ours_target_only"])],
+        )
+    add(
+        "engine efficiency (measured / Theorem 3.8) >= 0.9, draft model k fixed",
+        0.9,
+        [(where(r), r["engine_efficiency"]) for r in pick("ours draft (fixed)") if r["engine_efficiency"]],
+    )
+    add(
+        "verification cost T(k+1)/T(1) <= 1.3 at k = 4",
+        1.3,
+        [(f, fam["verification_cost_ratio"]["5"]) for f, fam in results["families"].items()],
+        higher=False,
+    )
     return out
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     """Run the benchmark; returns the JSON-able results (see benchmarks/RESULTS.md)."""
-    from rich.progress import Progress
-
     import transformers
+    from rich.progress import Progress
 
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
     results: dict = {
         "config": asdict(cfg),
         "machine": {
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version(),
         },
         "families": {},
@@ -285,19 +357,23 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                     r.run(ids[next(iter(ids))][0], temp, 8, cfg.seed)
             cells = {
                 (s, temp, r.name): Cell(family, s, temp, r)
-                for temp in cfg.temperatures for s in ids for r in runners
+                for temp in cfg.temperatures
+                for s in ids
+                for r in runners
             }
             for temp in cfg.temperatures:
                 for rep in range(cfg.repeats):
                     progress.update(task, description=f"bench {family}: T = {temp:g}, repeat {rep + 1}")
-                    order = runners[rep % len(runners):] + runners[: rep % len(runners)]
+                    order = runners[rep % len(runners) :] + runners[: rep % len(runners)]
                     for s, prompt_ids in ids.items():
                         for r in order:
                             cells[(s, temp, r.name)].reps.append([])
                         for i, p in enumerate(prompt_ids):
                             seed = cfg.seed + 1000 * rep + i
                             for r in order:
-                                cells[(s, temp, r.name)].reps[-1].append(r.run(p, temp, cfg.max_new_tokens, seed))
+                                cells[(s, temp, r.name)].reps[-1].append(
+                                    r.run(p, temp, cfg.max_new_tokens, seed)
+                                )
                                 progress.advance(task)
             progress.update(task, description=f"bench {family}: verification cost")
             costs = forward_costs(target, repeats=3 if cfg.quick else 5)

@@ -15,7 +15,8 @@ def markdown(results: dict) -> str:
         "# specdecode bench",
         "",
         f"torch {m['torch']}, transformers {m['transformers']}, {m['threads']} threads, {m['cpu']}; "
-        f"k = {cfg['k']}, {cfg['max_new_tokens']} new tokens per prompt, {cfg['repeats']} interleaved repeats, "
+        f"k = {cfg['k']}, {cfg['max_new_tokens']} new tokens per prompt, "
+        f"{cfg['repeats']} interleaved repeats, "
         f"{cfg['prompts_per_set']} prompts per set; {results['seconds']:.0f} s in all.",
         "",
         "## Targets",
@@ -26,7 +27,8 @@ def markdown(results: dict) -> str:
     for t in results["targets"]:
         op = "≤" if "<=" in t["target"] else "≥"
         lines.append(
-            f"| {t['target']} | {op} {t['goal']:g} | {t['worst']:.2f} ({t['worst_at']}) | {t['median']:.2f} | "
+            f"| {t['target']} | {op} {t['goal']:g} | {t['worst']:.2f} ({t['worst_at']}) | "
+            f"{t['median']:.2f} | "
             f"{'yes' if t['met'] else '**no**'} |"
         )
     for family, fam in results["families"].items():
@@ -55,7 +57,8 @@ def markdown(results: dict) -> str:
                     continue
                 lines.append(
                     f"| {r['config']} | {r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}–"
-                    f"{r['tokens_per_s_max']:.0f}) | {r['ms_per_token']:.2f} | {_f(r['tokens_per_forward'])} | "
+                    f"{r['tokens_per_s_max']:.0f}) | {r['ms_per_token']:.2f} | "
+                    f"{_f(r['tokens_per_forward'])} | "
                     f"{_f(r['speedup_vs_transformers_generate'], '{:.2f}x')} | "
                     f"{_f(r['speedup_vs_transformers_assisted'], '{:.2f}x')} | "
                     f"{_f(r['speedup_vs_ours_target_only'], '{:.2f}x')} | {_f(r['alpha'])} | "
@@ -83,7 +86,9 @@ def plot(results: dict, path: Path) -> None:
 
     fams = list(results["families"])
     temps = results["config"]["temperatures"]
-    fig, axes = new_figure(len(fams), len(temps) + 1, figsize=(6 * (len(temps) + 1), 5 * len(fams)), squeeze=False)
+    fig, axes = new_figure(
+        len(fams), len(temps) + 1, figsize=(6 * (len(temps) + 1), 5 * len(fams)), squeeze=False
+    )
     for i, family in enumerate(fams):
         fam = results["families"][family]
         sets = sorted({r["prompt_set"] for r in fam["rows"]})
@@ -92,11 +97,15 @@ def plot(results: dict, path: Path) -> None:
             configs = list(dict.fromkeys(r["config"] for r in fam["rows"]))
             width = 0.8 / len(sets)
             for si, s in enumerate(sets):
-                vals = {r["config"]: r for r in fam["rows"] if r["prompt_set"] == s and r["temperature"] == temp}
+                vals = {
+                    r["config"]: r for r in fam["rows"] if r["prompt_set"] == s and r["temperature"] == temp
+                }
                 ys = [vals[c]["tokens_per_s"] for c in configs]
                 lo = [vals[c]["tokens_per_s"] - vals[c]["tokens_per_s_min"] for c in configs]
                 hi = [vals[c]["tokens_per_s_max"] - vals[c]["tokens_per_s"] for c in configs]
-                ax.barh([y + si * width for y in range(len(configs))], ys, height=width, xerr=[lo, hi], label=s)
+                ax.barh(
+                    [y + si * width for y in range(len(configs))], ys, height=width, xerr=[lo, hi], label=s
+                )
             ax.set_yticks([y + 0.4 - width / 2 for y in range(len(configs))])
             ax.set_yticklabels(configs, fontsize=7)
             ax.invert_yaxis()

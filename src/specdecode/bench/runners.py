@@ -45,7 +45,9 @@ class Runner:
 
 
 class OursRunner(Runner):
-    def __init__(self, name: str, gen: SpeculativeGenerator, method: str, policy: str, settings: dict) -> None:
+    def __init__(
+        self, name: str, gen: SpeculativeGenerator, method: str, policy: str, settings: dict
+    ) -> None:
         super().__init__(name, "ours", method, policy, settings)
         self.gen = gen
 
@@ -56,8 +58,15 @@ class OursRunner(Runner):
         seconds = time.perf_counter() - t0
         st = res.stats
         return Run(
-            len(res.token_ids), seconds, st.target_forwards, st.rounds, st.drafted, st.tested, st.accepted,
-            st.draft_s, st.target_s,
+            len(res.token_ids),
+            seconds,
+            st.target_forwards,
+            st.rounds,
+            st.drafted,
+            st.tested,
+            st.accepted,
+            st.draft_s,
+            st.target_s,
         )
 
 

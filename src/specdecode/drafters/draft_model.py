@@ -30,6 +30,8 @@ class DraftModelDrafter:
 
     def start(self, batch: Batch, target_cache=None) -> None:
         self.cache = self.model.new_cache(batch.size, batch.capacity)
+        if int(batch.lengths.max()) > 1:  # prefill with the target's (all but the pending token)
+            extend(self.model, self.cache, batch.tokens, batch.lengths - 1)
 
     @torch.inference_mode()
     def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
