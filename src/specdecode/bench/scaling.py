@@ -86,10 +86,9 @@ def _decode_ms(
     results = gen.generate(prompts, params)
     st = results[0].stats
     tokens = sum(len(r.token_ids) for r in results)
-    rounds = max(r.stats.rounds for r in results)
-    drafted = sum(r.stats.drafted for r in results) / len(results)
-    forwards = max(r.stats.target_forwards for r in results)
-    return 1000 * (st.wall_s - st.prefill_s) / tokens, drafted / rounds, tokens / len(results) / forwards
+    mean_k = sum(r.stats.drafted for r in results) / sum(r.stats.rounds for r in results)
+    per_forward = tokens / sum(r.stats.target_forwards for r in results)
+    return 1000 * (st.wall_s - st.prefill_s) / tokens, mean_k, per_forward
 
 
 def run_scaling(cfg: ScalingConfig) -> dict:
