@@ -1,4 +1,5 @@
-"""A static KV cache with per-row lengths: written by position, rewound by length.
+"""A static KV cache with per-row lengths: written by position (by the model's forward, in
+place), rewound by length.
 
 Nothing is copied on a rejection: rewinding only lowers a row's length, and the next write
 overwrites the stale entries (as in gpt-fast). Rewind is a method of the cache so that a
@@ -44,20 +45,6 @@ class KVCache:
                 f"sequence longer than the cache ({self.capacity} tokens); lower max_new_tokens"
             )
         return pos
-
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Store k, v [B, kv_heads, T, D] at positions pos [B, T]; return the used length S."""
-        T = pos.shape[1]
-        start = pos[:, 0]
-        if bool((start == start[0]).all()) and (T == 1 or bool((pos[:, -1] - start == T - 1).all())):
-            s = int(start[0])  # aligned, contiguous rows: one slice write
-            self.k[layer, :, :, s : s + T] = k
-            self.v[layer, :, :, s : s + T] = v
-        else:
-            rows = torch.arange(self.batch_size).view(-1, 1).expand_as(pos)
-            self.k[layer, rows, :, pos] = k.transpose(1, 2)
-            self.v[layer, rows, :, pos] = v.transpose(1, 2)
-        return int(pos.max()) + 1
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new

@@ -103,22 +103,29 @@ class OptimalPolicy(FixedPolicy):
         self.width_s: dict[int, float] = {}  # n tokens per row -> seconds per target forward
         self.rounds = self.rounds_off = 0
         self.probe_wait = probe_every
+        self.drafted_last = True  # the drafter starts in step (prefilled with the target)
 
     @property
     def alpha(self) -> float:
         # a prior of one accepted and one rejected test keeps α away from 0 and 1 early on
         return (self.accepted + 1) / (self.tested + 2)
 
-    def target_cost(self, n: int) -> float:
-        """Seconds of a target forward over n tokens per row: measured, or on the least-squares
-        line through the measured widths (never falling with n; flat if one width is known)."""
-        if n in self.width_s or not self.width_s:
-            return self.width_s.get(n, 0.0)
+    def _cost_line(self) -> tuple[float, float, float]:
+        """(mean width, mean seconds, slope) of the least-squares line through the measured
+        widths (slope never negative; 0 if one width is known)."""
         xs, ys = list(self.width_s), list(self.width_s.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-        return max(my + slope * (n - mx), min(ys))
+        return mx, my, slope
+
+    def target_cost(self, n: int, line: tuple[float, float, float] | None = None) -> float:
+        """Seconds of a target forward over n tokens per row: measured, or read off the line
+        through the measured widths (never below the cheapest measured one)."""
+        if n in self.width_s or not self.width_s:
+            return self.width_s.get(n, 0.0)
+        mx, my, slope = line or self._cost_line()
+        return max(my + slope * (n - mx), min(self.width_s.values()))
 
     @property
     def cost_ratio(self) -> float:
@@ -126,13 +133,14 @@ class OptimalPolicy(FixedPolicy):
         t1 = self.target_cost(1)
         return self.draft_s_per_token / t1 if t1 > 0 else 0.0
 
-    def speedup(self, k: int) -> float:
-        """Expected speed-up over target-only decoding at draft length k (1.0 at k = 0)."""
-        if k == 0:
-            return 1.0
-        t1 = self.target_cost(1)
-        rounds = expected_tokens_per_round(min(self.alpha, 0.999), k)
-        return rounds * t1 / (k * self.draft_s_per_token + self.target_cost(k + 1))
+    def speedups(self) -> list[float]:
+        """Expected speed-up over target-only decoding for k = 0..max_k (1.0 at k = 0)."""
+        line = self._cost_line()
+        t1, a, d = self.target_cost(1, line), min(self.alpha, 0.999), self.draft_s_per_token
+        return [1.0] + [
+            expected_tokens_per_round(a, k) * t1 / (k * d + self.target_cost(k + 1, line))
+            for k in range(1, self.max_k + 1)
+        ]
 
     def next_k(self) -> int:
         self.rounds += 1
@@ -140,8 +148,9 @@ class OptimalPolicy(FixedPolicy):
             return 1  # no measurement yet: probe
         if 1 not in self.width_s or self.rounds % self.refresh_every == 0:
             return 0  # measure T(1)
-        best = max(range(1, self.max_k + 1), key=self.speedup)
-        if self.speedup(best) < 1:
+        gains = self.speedups()
+        best = max(range(1, self.max_k + 1), key=gains.__getitem__)
+        if gains[best] < 1:
             self.rounds_off += 1
             if self.rounds_off < self.probe_wait:
                 return 0
@@ -153,11 +162,14 @@ class OptimalPolicy(FixedPolicy):
     def observe(self, outcome: RoundOutcome) -> None:
         n = outcome.drafted + 1
         self.width_s[n] = _ema(self.width_s.get(n, 0.0), outcome.target_s)
+        resumed = not self.drafted_last  # a drafter first catches up on the tokens it skipped
+        self.drafted_last = outcome.drafted > 0
         if outcome.drafted == 0:
             return
         self.tested += outcome.tested
         self.accepted += outcome.accepted
-        self.draft_s_per_token = _ema(self.draft_s_per_token, outcome.draft_s / outcome.drafted)
+        if not (resumed and self.draft_s_per_token):  # catching up is not the cost of a draft token
+            self.draft_s_per_token = _ema(self.draft_s_per_token, outcome.draft_s / outcome.drafted)
 
 
 def _ema(old: float, new: float, weight: float = 0.2) -> float:

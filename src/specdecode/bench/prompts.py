@@ -20,7 +20,7 @@ CODE = (
     "class Error(Exception):\n    ",
 )
 SETS = {"three-kingdoms": ("prose", "edit"), "python-code": ("code", "edit")}
-EDIT_SOURCES = ("textwrap.dedent", "shlex.quote", "fnmatch.translate", "posixpath.normpath")
+EDIT_SOURCES = ("textwrap.dedent", "shlex.quote", "fnmatch.translate", "difflib.get_close_matches")
 
 
 def _source(qualname: str, max_chars: int) -> str:

@@ -288,6 +288,7 @@ class LlamaModel:
                 block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
                 allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
             mask = allowed.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S]
+            rows = torch.arange(B).view(B, 1).expand(B, T)
         x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
         d_eps = c.hidden_size * c.rms_norm_eps
@@ -300,8 +301,9 @@ class LlamaModel:
             if pos is None:
                 cache.k[i, :, :, s:S] = k
                 cache.v[i, :, :, s:S] = v
-            else:
-                cache.write(i, pos, k, v)
+            else:  # ragged rows or a tree: one index write per layer, the checks done once above
+                cache.k[i, rows, :, pos] = k.transpose(1, 2)
+                cache.v[i, rows, :, pos] = v.transpose(1, 2)
             keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]
             # grouped-query attention without copying K/V: fold the G query heads of each
             # kv head into the query-length axis
