@@ -24,6 +24,12 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)
         self.lengths = torch.zeros(batch, dtype=torch.long)  # [B]
         self.capacity = capacity
+        self._layer_views()
+
+    def _layer_views(self) -> None:
+        # per-layer views [B, kv_heads, capacity, head_dim]: narrow() on these is a cheap call,
+        # indexing the 5-d tensor with a tuple of slices is not (it runs per layer per forward)
+        self.layer_k, self.layer_v = list(self.k.unbind(0)), list(self.v.unbind(0))
 
     @property
     def batch_size(self) -> int:
@@ -71,4 +77,5 @@ class KVCache:
         """Keep only the given rows (retire the others); one copy, made when rows finish."""
         self.k = self.k[:, rows].contiguous()
         self.v = self.v[:, rows].contiguous()
+        self._layer_views()
         self.lengths = self.lengths[rows].clone()

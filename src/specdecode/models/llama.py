@@ -298,13 +298,14 @@ class LlamaModel:
             qk = qkv[:, :, : H + Hkv]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+            layer_k, layer_v = cache.layer_k[i], cache.layer_v[i]  # [B, Hkv, capacity, D]
             if pos is None:
-                cache.k[i, :, :, s:S] = k
-                cache.v[i, :, :, s:S] = v
+                layer_k.narrow(2, s, T).copy_(k)
+                layer_v.narrow(2, s, T).copy_(v)
             else:  # ragged rows or a tree: one index write per layer, the checks done once above
-                cache.k[i, rows, :, pos] = k.transpose(1, 2)
-                cache.v[i, rows, :, pos] = v.transpose(1, 2)
-            keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]
+                layer_k[rows, :, pos] = k.transpose(1, 2)
+                layer_v[rows, :, pos] = v.transpose(1, 2)
+            keys, values = layer_k.narrow(2, 0, S), layer_v.narrow(2, 0, S)
             # grouped-query attention without copying K/V: fold the G query heads of each
             # kv head into the query-length axis
             q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
