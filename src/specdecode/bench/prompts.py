@@ -2,14 +2,15 @@
 set per family whose output copies much of the prompt.
 
 Nothing is downloaded or copied into the repository: the code prompts are function openings
-in the style of the python-code corpus (the running Python's standard library), the edit
-passages are read from that library (code) or written by the bundled target itself (prose).
+in the style of the python-code corpus (the running Python's standard library). An edit prompt
+is a passage the target itself wrote greedily from one of the family's prompts, then that
+prompt again: greedy decoding re-derives the passage, so the output repeats text that is
+already in the context (what rewriting a document or code with small edits looks like). The
+bundled targets are too small to copy an arbitrary passage (no induction behaviour: fed
+standard-library source twice, they drift after a few tokens), so the passage must be theirs.
 """
 
 from __future__ import annotations
-
-import inspect
-import textwrap
 
 from ..lab.common import PROMPTS as PROSE
 
@@ -20,36 +21,26 @@ CODE = (
     "class Error(Exception):\n    ",
 )
 SETS = {"three-kingdoms": ("prose", "edit"), "python-code": ("code", "edit")}
-EDIT_SOURCES = ("textwrap.dedent", "shlex.quote", "fnmatch.translate", "difflib.get_close_matches")
 
 
-def _source(qualname: str, max_chars: int) -> str:
-    import importlib
-
-    module, name = qualname.rsplit(".", 1)
-    text = textwrap.dedent(inspect.getsource(getattr(importlib.import_module(module), name)))
-    return text[:max_chars].rsplit("\n", 1)[0] + "\n"
+def edit_prompt(opening: str, passage: str) -> str:
+    """The opening and the passage that followed it, then the opening again."""
+    return opening + passage + "\n\n" + opening
 
 
-def edit_prompt(passage: str) -> str:
-    """The passage, then its first quarter again: continuing it means copying the rest."""
-    return passage + "\n\n" + passage[: max(1, len(passage) // 4)]
-
-
-def prompts(family: str, name: str, target=None, count: int = 4, max_chars: int = 600) -> list[str]:
-    """`count` prompts of set `name` for a family. The prose edit set asks the target for its
-    own greedy passages (deterministic), so it needs the loaded target."""
+def prompts(family: str, name: str, target=None, count: int = 4) -> list[str]:
+    """`count` prompts of set `name` for a family. The edit set asks the family's target (the
+    loaded model) for its greedy passages: deterministic, built in well under a second."""
     if name == "prose":
         return list(PROSE[:count])
     if name == "code":
         return list(CODE[:count])
     if name != "edit":
         raise ValueError(f"unknown prompt set {name!r}")
-    if family == "python-code":
-        return [edit_prompt(_source(q, max_chars)) for q in EDIT_SOURCES[:count]]
     from ..engine import SpeculativeGenerator
     from ..sampling import SamplingParams
 
-    gen = SpeculativeGenerator(target)
+    openings = list((CODE if family == "python-code" else PROSE)[:count])
     params = SamplingParams(temperature=0, max_new_tokens=96, ignore_eos=True)
-    return [edit_prompt(p + r.text) for p, r in zip(PROSE[:count], gen.generate(list(PROSE[:count]), params))]
+    gen = SpeculativeGenerator(target)
+    return [edit_prompt(p, gen.generate([p], params)[0].text) for p in openings]

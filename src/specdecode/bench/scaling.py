@@ -23,9 +23,10 @@ from ..lab.common import PROMPTS as PROSE
 from ..models import load
 from ..sampling import SamplingParams
 from .harness import FAMILIES
-from .prompts import CODE, EDIT_SOURCES, _source
+from .prompts import CODE
 
 CONFIGS = ("target-only", "draft (fixed)", "draft (optimal)")
+SOURCES = ("textwrap.dedent", "shlex.quote", "fnmatch.translate", "difflib.get_close_matches")
 
 
 @dataclass
@@ -57,11 +58,21 @@ class ScalingConfig:
         return cfg
 
 
+def _source(qualname: str) -> str:
+    """The source of a pure-Python standard-library function (every machine has it)."""
+    import importlib
+    import inspect
+    import textwrap
+
+    module, name = qualname.rsplit(".", 1)
+    return textwrap.dedent(inspect.getsource(getattr(importlib.import_module(module), name)))
+
+
 def _long_text(family: str, target, tokens: int) -> list[int]:
     """At least `tokens` tokens of the family's kind of text: standard-library source for code,
     the target's own greedy prose for three-kingdoms (deterministic, nothing read from outside)."""
     if family == "python-code":
-        text = "".join(_source(q, 100_000) for q in EDIT_SOURCES) + "".join(CODE)
+        text = "".join(_source(q) for q in SOURCES) + "".join(CODE)
         ids = target.tokenizer.encode(text)
         while len(ids) < tokens:
             ids = ids + ids
