@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -74,8 +75,8 @@ class Warp:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64),
         )
 
-    @property
-    def all_greedy(self) -> bool:
+    @cached_property
+    def all_greedy(self) -> bool:  # asked every round: computed once per batch composition
         return bool((self.temperature == 0).all())
 
     def select(self, rows: torch.Tensor) -> Warp:
