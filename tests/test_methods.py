@@ -215,6 +215,16 @@ def test_optimal_policy_measures_one_token_cost_after_the_first_drafted_round():
     assert p.next_k() > 0
 
 
+def test_optimal_policy_explores_until_min_tests_before_turning_drafting_off():
+    p = OptimalPolicy(4, min_tests=8)
+    p.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))  # T(1)
+    ks = []
+    for _ in range(12):  # every draft rejected, drafts as dear as a target forward
+        ks.append(p.next_k())
+        p.observe(outcome(ks[-1], 0, False, draft_s=0.01 * ks[-1], target_s=0.011))
+    assert ks[:8] == [1] * 8 and ks[8:] == [0] * 4  # one early rejection did not decide
+
+
 def test_optimal_policy_shortens_k_then_stops_as_verification_becomes_compute_bound():
     ks = []
     for slope in (0.0, 0.1, 0.5, 2.0):  # T(n) = T(1) (1 + slope (n - 1)), as in a growing batch

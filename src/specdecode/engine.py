@@ -371,18 +371,16 @@ class SpeculativeGenerator:
                 batch.exp_noise(logits.shape[-1]),
                 n_drafts,
             )
+        outcome = None
         if policy is not None:
-            accepted = int(verdict.accepted.sum())
-            policy.observe(
-                RoundOutcome(
-                    drafted=k,
-                    tested=int(verdict.tested.sum()) if k else 0,
-                    accepted=accepted,
-                    rows=B,
-                    all_accepted=k > 0 and bool((verdict.accepted == verdict.draft_lengths).all()),
-                    draft_s=t1 - t0,
-                    target_s=t2 - t1,
-                )
+            outcome = RoundOutcome(
+                drafted=k,
+                tested=int(verdict.tested.sum()) if k else 0,
+                accepted=int(verdict.accepted.sum()),
+                rows=B,
+                all_accepted=k > 0 and bool((verdict.accepted == verdict.draft_lengths).all()),
+                draft_s=t1 - t0,
+                verify_s=0.0,
             )
         if hidden is not None:  # features of the pending token and the accepted drafts
             self.drafter.observe_features(hidden, batch.lengths - 1, verdict.accepted + 1)
@@ -397,7 +395,11 @@ class SpeculativeGenerator:
         write = torch.arange(k + 1).view(1, k + 1) < n_emit.view(B, 1)
         batch.tokens.scatter_(1, pos, torch.where(write, verdict.tokens, batch.tokens.gather(1, pos)))
         batch.lengths = batch.lengths + n_emit
-        return self._emit(batch, verdict, draft_tokens, round_no, eos, state, (t1 - t0, t2 - t1))
+        event = self._emit(batch, verdict, draft_tokens, round_no, eos, state, (t1 - t0, t2 - t1))
+        if outcome is not None:  # the whole round after drafting: forward, verification, bookkeeping
+            outcome.verify_s = time.perf_counter() - t1
+            policy.observe(outcome)
+        return event
 
     def _plain_round(
         self, batch: Batch, cache, policy, round_no: int, eos: torch.Tensor, state: dict, draft_s: float
@@ -416,15 +418,16 @@ class SpeculativeGenerator:
         else:
             token = sample(logits_to_probs(logits, batch.warp)[:, 0], batch.exp_noise(logits.shape[-1]))
         verdict = Verdict.plain(token)
-        if policy is not None:
-            policy.observe(RoundOutcome(0, 0, 0, B, False, draft_s, t2 - t1))
         if self.drafter is not None:
             if hidden is not None:
                 self.drafter.observe_features(hidden, batch.lengths - 1, verdict.num_emitted)
             self.drafter.commit(batch.lengths)
         batch.tokens[rows, batch.lengths] = token  # live rows have room (see Batch)
         batch.lengths = batch.lengths + 1
-        return self._emit(batch, verdict, verdict.tokens[:, :0], round_no, eos, state, (draft_s, t2 - t1))
+        event = self._emit(batch, verdict, verdict.tokens[:, :0], round_no, eos, state, (draft_s, t2 - t1))
+        if policy is not None:
+            policy.observe(RoundOutcome(0, 0, 0, B, False, draft_s, time.perf_counter() - t1))
+        return event
 
     def _tree_round(self, batch: Batch, cache, round_no: int, eos: torch.Tensor, state: dict) -> RoundEvent:
         """One round with a token tree: all candidates in one target forward, the accepted path

@@ -25,7 +25,7 @@ class RoundOutcome:
     rows: int
     all_accepted: bool  # every row accepted every draft token
     draft_s: float  # wall time of proposing
-    target_s: float  # wall time of the target forward
+    verify_s: float  # wall time of the rest of the round: target forward, verification, bookkeeping
 
 
 class FixedPolicy:
@@ -77,30 +77,38 @@ class OptimalPolicy(FixedPolicy):
     """k each round from Leviathan et al.'s Theorem 3.8, with the verification cost measured:
     maximise S(k) = τ(α, k) · T(1) / (k·d + T(k+1)), τ = (1 − α^(k+1)) / (1 − α), where α is the
     acceptance rate so far, d the measured seconds per draft token and T(n) the measured
-    seconds of a target forward over n tokens per row. With T(k+1) = T(1) this is the theorem's
-    (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / T(1).
+    seconds of the rest of a round whose target forward takes n tokens per row (the forward,
+    verification and bookkeeping; T(1) is a round of plain decoding). With T(k+1) = T(1) this
+    is the theorem's (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / T(1).
 
     T(n) is kept per width (moving average) and read off a straight line through the widths
     measured so far, so when a large batch makes the verification forward compute-bound
-    (T(k+1) >> T(1)) the policy shortens k or stops drafting. T(1) is measured by an undrafted
-    round after the first drafted one and every `refresh_every` rounds; the first drafted round
-    probes with k = 1 (cheap if drafting turns out not to pay). If no k beats target-only
-    decoding, draft nothing, probing with k = 1 after `probe_every` rounds so α and the costs
-    stay current; each probe that leaves drafting off doubles the wait (up to 256 rounds), so
-    a pair that never pays costs almost nothing over target-only decoding."""
+    (T(k+1) >> T(1)) the policy shortens k or stops drafting. It explores first: drafts at
+    k = 1 until `min_tests` draft tokens have been tested (so one early rejection does not
+    decide), with one undrafted round after the first drafted one to measure T(1) (again every
+    `refresh_every` rounds). If then no k beats target-only decoding, it drafts nothing,
+    probing with k = 1 after `probe_every` rounds so α and the costs stay current; each probe
+    that leaves drafting off doubles the wait (up to 256 rounds), so a pair that never pays
+    costs little over target-only decoding: the exploration, then almost nothing."""
 
     name = "optimal"
 
     def __init__(
-        self, k: int, max_k: int | None = None, probe_every: int = 16, refresh_every: int = 64
+        self,
+        k: int,
+        max_k: int | None = None,
+        probe_every: int = 16,
+        refresh_every: int = 64,
+        min_tests: int = 8,
     ) -> None:
         super().__init__(k)
+        self.min_tests = min_tests
         self.max_k = max_k or max(2 * k, 8)
         self.probe_every = probe_every
         self.refresh_every = refresh_every
         self.tested = self.accepted = 0
         self.draft_s_per_token = 0.0
-        self.width_s: dict[int, float] = {}  # n tokens per row -> seconds per target forward
+        self.width_s: dict[int, float] = {}  # n tokens per row -> seconds of the round after drafting
         self.rounds = self.rounds_off = 0
         self.probe_wait = probe_every
         self.drafted_last = True  # the drafter starts in step (prefilled with the target)
@@ -120,8 +128,8 @@ class OptimalPolicy(FixedPolicy):
         return mx, my, slope
 
     def target_cost(self, n: int, line: tuple[float, float, float] | None = None) -> float:
-        """Seconds of a target forward over n tokens per row: measured, or read off the line
-        through the measured widths (never below the cheapest measured one)."""
+        """Seconds of a round (after drafting) whose target forward takes n tokens per row:
+        measured, or read off the line through the measured widths (never below the cheapest)."""
         if n in self.width_s or not self.width_s:
             return self.width_s.get(n, 0.0)
         mx, my, slope = line or self._cost_line()
@@ -129,7 +137,7 @@ class OptimalPolicy(FixedPolicy):
 
     @property
     def cost_ratio(self) -> float:
-        """c = d / T(1): a draft token's cost relative to a one-token target forward."""
+        """c = d / T(1): a draft token's cost relative to a round of plain decoding."""
         t1 = self.target_cost(1)
         return self.draft_s_per_token / t1 if t1 > 0 else 0.0
 
@@ -148,6 +156,8 @@ class OptimalPolicy(FixedPolicy):
             return 1  # no measurement yet: probe
         if 1 not in self.width_s or self.rounds % self.refresh_every == 0:
             return 0  # measure T(1)
+        if self.tested < self.min_tests:
+            return 1  # explore
         gains = self.speedups()
         best = max(range(1, self.max_k + 1), key=gains.__getitem__)
         if gains[best] < 1:
@@ -161,7 +171,7 @@ class OptimalPolicy(FixedPolicy):
 
     def observe(self, outcome: RoundOutcome) -> None:
         n = outcome.drafted + 1
-        self.width_s[n] = _ema(self.width_s.get(n, 0.0), outcome.target_s)
+        self.width_s[n] = _ema(self.width_s.get(n, 0.0), outcome.verify_s)
         resumed = not self.drafted_last  # a drafter first catches up on the tokens it skipped
         self.drafted_last = outcome.drafted > 0
         if outcome.drafted == 0:
