@@ -36,7 +36,7 @@ class ScalingConfig:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     batch_context: int = 128
     k: int = 4
-    new_tokens: int = 48
+    new_tokens: int = 128
     repeats: int = 3
     quick: bool = False
     seed: int = 0
