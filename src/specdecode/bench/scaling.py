@@ -47,7 +47,7 @@ class ScalingConfig:
         base = ScalingConfig(quick=quick)
         if quick:
             base = ScalingConfig(
-                quick=True, contexts=(128, 512, 2048), batches=(1, 4, 16, 32), new_tokens=32, repeats=2
+                quick=True, contexts=(128, 512, 2048), batches=(1, 4, 16, 32), new_tokens=64, repeats=2
             )
         cfg = ScalingConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
         for f in cfg.families:
