@@ -107,7 +107,14 @@ def test_edit_prompts_make_greedy_output_copy_the_context():
 
 
 def test_scaling_study_reports_cost_policy_k_and_verification_ratio(tmp_path):
-    cfg = ScalingConfig.make(contexts=(64, 128), batches=(1, 2), new_tokens=8, repeats=1, progress=False)
+    cfg = ScalingConfig.make(
+        families=("three-kingdoms",),
+        contexts=(64, 128),
+        batches=(1, 2),
+        new_tokens=8,
+        repeats=1,
+        progress=False,
+    )
     res = run_scaling(cfg)
     fam = res["families"]["three-kingdoms"]
     assert [r["context"] for r in fam["context"]] == [64, 128]

@@ -31,7 +31,7 @@ SOURCES = ("textwrap.dedent", "shlex.quote", "fnmatch.translate", "difflib.get_c
 
 @dataclass
 class ScalingConfig:
-    families: tuple[str, ...] = ("three-kingdoms",)
+    families: tuple[str, ...] = ("three-kingdoms", "python-code")
     contexts: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     batch_context: int = 128
