@@ -200,10 +200,16 @@ def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_canno
     dear = OptimalPolicy(4, probe_every=4)
     dear.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
     for _ in range(50):
-        dear.observe(outcome(4, 1, False, draft_s=0.04, target_s=0.01))  # c = 1: never pays
+        dear.observe(outcome(4, 1, False, draft_s=0.024, target_s=0.01))  # c = 0.6, alpha ~ 0.25
+    assert max(dear.speedups()) == 1.0 < max(dear.speedups(alpha=1.0))  # would pay only if alpha rose
     ks = [dear.next_k() for _ in range(28)]
     # off, probing with k = 1 after 4 rounds, then after 8, then 16 (each probe doubles the wait)
     assert [i + 1 for i, k in enumerate(ks) if k] == [4, 12, 28] and set(ks) == {0, 1}
+    hopeless = OptimalPolicy(4, probe_every=4)
+    hopeless.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
+    for _ in range(50):  # verification twice a plain step (a large batch): no k pays even at alpha = 1
+        hopeless.observe(outcome(4, 1, False, draft_s=0.024, target_s=0.05))
+    assert [hopeless.next_k() for _ in range(40)] == [0] * 40  # off for good, no probes
 
 
 def test_optimal_policy_measures_one_token_cost_after_the_first_drafted_round():
@@ -219,10 +225,12 @@ def test_optimal_policy_explores_until_min_tests_before_turning_drafting_off():
     p = OptimalPolicy(4, min_tests=8)
     p.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))  # T(1)
     ks = []
-    for _ in range(12):  # every draft rejected, drafts as dear as a target forward
-        ks.append(p.next_k())
-        p.observe(outcome(ks[-1], 0, False, draft_s=0.01 * ks[-1], target_s=0.011))
-    assert ks[:8] == [1] * 8 and ks[8:] == [0] * 4  # one early rejection did not decide
+    for _ in range(12):  # the first draft token always rejected (one test), drafts as dear as a forward
+        k = p.next_k()
+        ks.append(k)
+        p.observe(RoundOutcome(k, min(k, 1), 0, 1, False, 0.01 * k, 0.011))
+    # one early rejection did not decide: k = 1 and the given k in turn until 8 tests, then off
+    assert ks[:8] == [1, 4] * 4 and ks[8:] == [0] * 4, ks
 
 
 def test_optimal_policy_shortens_k_then_stops_as_verification_becomes_compute_bound():

@@ -380,7 +380,7 @@ class SpeculativeGenerator:
                 rows=B,
                 all_accepted=k > 0 and bool((verdict.accepted == verdict.draft_lengths).all()),
                 draft_s=t1 - t0,
-                verify_s=0.0,
+                target_s=t2 - t1,
             )
         if hidden is not None:  # features of the pending token and the accepted drafts
             self.drafter.observe_features(hidden, batch.lengths - 1, verdict.accepted + 1)
@@ -397,7 +397,7 @@ class SpeculativeGenerator:
         batch.lengths = batch.lengths + n_emit
         event = self._emit(batch, verdict, draft_tokens, round_no, eos, state, (t1 - t0, t2 - t1))
         if outcome is not None:  # the whole round after drafting: forward, verification, bookkeeping
-            outcome.verify_s = time.perf_counter() - t1
+            outcome.round_s = time.perf_counter() - t1
             policy.observe(outcome)
         return event
 
@@ -426,7 +426,7 @@ class SpeculativeGenerator:
         batch.lengths = batch.lengths + 1
         event = self._emit(batch, verdict, verdict.tokens[:, :0], round_no, eos, state, (draft_s, t2 - t1))
         if policy is not None:
-            policy.observe(RoundOutcome(0, 0, 0, B, False, draft_s, time.perf_counter() - t1))
+            policy.observe(RoundOutcome(0, 0, 0, B, False, draft_s, t2 - t1, time.perf_counter() - t1))
         return event
 
     def _tree_round(self, batch: Batch, cache, round_no: int, eos: torch.Tensor, state: dict) -> RoundEvent:

@@ -25,7 +25,8 @@ class RoundOutcome:
     rows: int
     all_accepted: bool  # every row accepted every draft token
     draft_s: float  # wall time of proposing
-    verify_s: float  # wall time of the rest of the round: target forward, verification, bookkeeping
+    target_s: float  # wall time of the target forward
+    round_s: float | None = None  # the whole round after drafting (forward, verification, bookkeeping)
 
 
 class FixedPolicy:
@@ -75,21 +76,25 @@ class ConfidencePolicy(FixedPolicy):
 
 class OptimalPolicy(FixedPolicy):
     """k each round from Leviathan et al.'s Theorem 3.8, with the verification cost measured:
-    maximise S(k) = τ(α, k) · T(1) / (k·d + T(k+1)), τ = (1 − α^(k+1)) / (1 − α), where α is the
-    acceptance rate so far, d the measured seconds per draft token and T(n) the measured
-    seconds of the rest of a round whose target forward takes n tokens per row (the forward,
-    verification and bookkeeping; T(1) is a round of plain decoding). With T(k+1) = T(1) this
-    is the theorem's (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / T(1).
+    maximise S(k) = τ(α, k) · R(0) / (k·d + R(k)), τ = (1 − α^(k+1)) / (1 − α), where α is the
+    acceptance rate so far, d the measured seconds per draft token and R(k) the measured
+    seconds of a round after drafting: the target forward over k + 1 tokens per row, F(k + 1),
+    plus the round's verification and bookkeeping (measured separately for drafted and
+    undrafted rounds). With F flat and no bookkeeping this is the theorem's
+    (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / F(1).
 
-    T(n) is kept per width (moving average) and read off a straight line through the widths
+    F(n) is kept per width (moving average) and read off a straight line through the widths
     measured so far, so when a large batch makes the verification forward compute-bound
-    (T(k+1) >> T(1)) the policy shortens k or stops drafting. It explores first: drafts at
-    k = 1 until `min_tests` draft tokens have been tested (so one early rejection does not
-    decide), with one undrafted round after the first drafted one to measure T(1) (again every
-    `refresh_every` rounds). If then no k beats target-only decoding, it drafts nothing,
-    probing with k = 1 after `probe_every` rounds so α and the costs stay current; each probe
-    that leaves drafting off doubles the wait (up to 256 rounds), so a pair that never pays
-    costs little over target-only decoding: the exploration, then almost nothing."""
+    (F(k+1) >> F(1)) the policy shortens k or stops drafting. It explores first: drafts at
+    k = 1 and at the given k in turn until `min_tests` draft tokens have been tested (so one
+    early rejection does not decide, and F is measured at two widths), with one undrafted round
+    after the first drafted one to measure F(1) (again every `refresh_every` rounds). If then
+    no k beats target-only decoding, it drafts nothing, probing with k = 1 after `probe_every`
+    rounds so α and the costs stay current; each probe
+    that leaves drafting off doubles the wait (up to 256 rounds), and once no k would pay even
+    if every draft were accepted (α = 1: drafting and verification cost more than the k + 1
+    tokens they can give, as at large batches) it stops probing for good. A pair that never
+    pays thus costs little over target-only decoding: the exploration, then almost nothing."""
 
     name = "optimal"
 
@@ -108,8 +113,11 @@ class OptimalPolicy(FixedPolicy):
         self.refresh_every = refresh_every
         self.tested = self.accepted = 0
         self.draft_s_per_token = 0.0
-        self.width_s: dict[int, float] = {}  # n tokens per row -> seconds of the round after drafting
+        self.width_s: dict[int, float] = {}  # n tokens per row -> seconds of the target forward
+        self.overhead_s = {False: 0.0, True: 0.0}  # rest of an undrafted / drafted round
         self.rounds = self.rounds_off = 0
+        self.hopeless = False  # no k pays even at α = 1: drafting stays off
+        self.explored = 0
         self.probe_wait = probe_every
         self.drafted_last = True  # the drafter starts in step (prefilled with the target)
 
@@ -128,8 +136,8 @@ class OptimalPolicy(FixedPolicy):
         return mx, my, slope
 
     def target_cost(self, n: int, line: tuple[float, float, float] | None = None) -> float:
-        """Seconds of a round (after drafting) whose target forward takes n tokens per row:
-        measured, or read off the line through the measured widths (never below the cheapest)."""
+        """F(n), seconds of a target forward over n tokens per row: measured, or read off the
+        line through the measured widths (never below the cheapest measured one)."""
         if n in self.width_s or not self.width_s:
             return self.width_s.get(n, 0.0)
         mx, my, slope = line or self._cost_line()
@@ -137,30 +145,40 @@ class OptimalPolicy(FixedPolicy):
 
     @property
     def cost_ratio(self) -> float:
-        """c = d / T(1): a draft token's cost relative to a round of plain decoding."""
+        """c = d / F(1): a draft token's cost relative to a one-token target forward."""
         t1 = self.target_cost(1)
         return self.draft_s_per_token / t1 if t1 > 0 else 0.0
 
-    def speedups(self) -> list[float]:
-        """Expected speed-up over target-only decoding for k = 0..max_k (1.0 at k = 0)."""
+    def speedups(self, alpha: float | None = None) -> list[float]:
+        """Expected speed-up over target-only decoding for k = 0..max_k (1.0 at k = 0), at the
+        measured α or the one given."""
         line = self._cost_line()
-        t1, a, d = self.target_cost(1, line), min(self.alpha, 0.999), self.draft_s_per_token
+        a, d = min(self.alpha if alpha is None else alpha, 0.999999), self.draft_s_per_token
+        plain = self.target_cost(1, line) + self.overhead_s[False]
+        extra = self.overhead_s[True] or self.overhead_s[False]
         return [1.0] + [
-            expected_tokens_per_round(a, k) * t1 / (k * d + self.target_cost(k + 1, line))
+            expected_tokens_per_round(a, k) * plain / (k * d + self.target_cost(k + 1, line) + extra)
             for k in range(1, self.max_k + 1)
         ]
 
     def next_k(self) -> int:
         self.rounds += 1
         if self.tested == 0 or not self.width_s:
-            return 1  # no measurement yet: probe
+            self.explored += 1
+            return 1  # no measurement yet: a cheap probe
         if 1 not in self.width_s or self.rounds % self.refresh_every == 0:
-            return 0  # measure T(1)
-        if self.tested < self.min_tests:
-            return 1  # explore
+            return 0  # measure F(1)
+        if self.tested < self.min_tests:  # explore, alternating widths so F(n) is fitted, not guessed
+            self.explored += 1
+            return self.k if self.explored % 2 == 0 else 1
+        if self.hopeless:
+            return 0
         gains = self.speedups()
         best = max(range(1, self.max_k + 1), key=gains.__getitem__)
         if gains[best] < 1:
+            if max(self.speedups(alpha=1.0)) <= 1:
+                self.hopeless = True
+                return 0
             self.rounds_off += 1
             if self.rounds_off < self.probe_wait:
                 return 0
@@ -170,11 +188,14 @@ class OptimalPolicy(FixedPolicy):
         return best
 
     def observe(self, outcome: RoundOutcome) -> None:
-        n = outcome.drafted + 1
-        self.width_s[n] = _ema(self.width_s.get(n, 0.0), outcome.verify_s)
+        n, drafted = outcome.drafted + 1, outcome.drafted > 0
+        self.width_s[n] = _ema(self.width_s.get(n, 0.0), outcome.target_s)
+        if outcome.round_s is not None:
+            rest = max(outcome.round_s - outcome.target_s, 1e-9)
+            self.overhead_s[drafted] = _ema(self.overhead_s[drafted], rest)
         resumed = not self.drafted_last  # a drafter first catches up on the tokens it skipped
-        self.drafted_last = outcome.drafted > 0
-        if outcome.drafted == 0:
+        self.drafted_last = drafted
+        if not drafted:
             return
         self.tested += outcome.tested
         self.accepted += outcome.accepted
