@@ -223,6 +223,16 @@ def test_two_token_joint_through_engine_equals_target(small_vocab_models, k, par
     assert 0.2 < rate < 0.95, rate
 
 
+def test_two_token_joint_of_target_only_decoding_equals_target(small_vocab_models):
+    """Plain rounds (nothing drafted) sample on their own fast path: argmax(p / Exp(1))."""
+    target, _ = small_vocab_models
+    params = SamplingParams(temperature=0.9, top_k=10, max_new_tokens=2, seed=77, ignore_eos=True)
+    results = SpeculativeGenerator(target).generate([PROMPT] * RUNS, params)
+    pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
+    ok, msg = check_distribution(pairs, exact_joint(target, params))
+    assert ok, msg
+
+
 def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypatch):
     """Negative control: the engine with resample-from-p after rejection must fail the check."""
     import specdecode.engine as engine_mod
