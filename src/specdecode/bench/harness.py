@@ -139,14 +139,22 @@ def _transformers(family: str, cfg: BenchConfig) -> list[Runner]:
 
 
 def forward_costs(
-    model, context: int = 160, max_n: int = 9, repeats: int = 5, calls: int = 20
+    model,
+    context: int = 160,
+    max_n: int = 9,
+    repeats: int = 5,
+    calls: int = 20,
+    batch: int = 1,
+    widths: tuple[int, ...] | None = None,
 ) -> dict[int, float]:
-    """Seconds of one target forward over n = 1..max_n new tokens after `context` cached ones
-    (interleaved over n, best of `repeats`): the verification cost T(n)."""
+    """Seconds of one target forward over n new tokens per row (n = 1..max_n, or `widths`)
+    for `batch` rows after `context` cached tokens each (interleaved over n, best of
+    `repeats`): the verification cost T(n)."""
     gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1, context + max_n + 1)
-    model.forward(torch.randint(0, model.vocab_size, (1, context), generator=gen), cache)
-    toks = {n: torch.randint(0, model.vocab_size, (1, n), generator=gen) for n in range(1, max_n + 1)}
+    ns = widths or tuple(range(1, max_n + 1))
+    cache = model.new_cache(batch, context + max(ns) + 1)
+    model.forward(torch.randint(0, model.vocab_size, (batch, context), generator=gen), cache)
+    toks = {n: torch.randint(0, model.vocab_size, (batch, n), generator=gen) for n in ns}
     best = {n: float("inf") for n in toks}
     for n in toks:  # warm-up
         model.forward(toks[n], cache)

@@ -15,8 +15,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from ..engine import SpeculativeGenerator
 from ..errors import SpecDecodeError
 from ..lab.common import PROMPTS as PROSE
@@ -143,7 +141,9 @@ def run_scaling(cfg: ScalingConfig) -> dict:
             progress.update(task, description=f"scaling {family}: verification cost by batch")
             verify = {}
             for B in cfg.batches:
-                costs = _batch_forward_costs(target, B, cfg.batch_context, cfg.k + 1)
+                costs = forward_costs(
+                    target, cfg.batch_context, repeats=2, calls=10, batch=B, widths=(1, cfg.k + 1)
+                )
                 verify[B] = costs[cfg.k + 1] / costs[1]
 
             out["families"][family] = {
@@ -171,22 +171,6 @@ def _table(raw: dict, kind: str, keys, verify: dict | None = None) -> list[dict]
             row["verification cost ratio"] = verify[x]
         rows.append(row)
     return rows
-
-
-def _batch_forward_costs(model, batch: int, context: int, width: int, calls: int = 10) -> dict[int, float]:
-    """Seconds of one target forward over 1 and `width` tokens per row for `batch` rows."""
-    cache = model.new_cache(batch, context + width + 1)
-    gen = torch.Generator().manual_seed(0)
-    model.forward(torch.randint(0, model.vocab_size, (batch, context), generator=gen), cache)
-    best = {}
-    for n in (1, width, 1, width):
-        tok = torch.randint(0, model.vocab_size, (batch, n), generator=gen)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            model.forward(tok, cache)
-            cache.rewind(cache.lengths - n)
-        best[n] = min(best.get(n, float("inf")), (time.perf_counter() - t0) / calls)
-    return best
 
 
 def markdown(results: dict) -> str:
