@@ -273,7 +273,10 @@ class LlamaModel:
             cos, sin = self._cos[s:S].view(1, T, 1, D), self._sin[s:S].view(1, T, 1, D)
             pos = None
             # query t sees keys 0..s+t; one causal block over the new tokens (T = 1: no mask)
-            mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(s).repeat(G, 1)
+            # additive (0 / -inf): SDPA would convert a bool mask in every layer
+            mask = None if T == 1 else torch.full((T, S), float("-inf"), dtype=self.dtype).triu_(s + 1)
+            if mask is not None and G > 1:
+                mask = mask.repeat(G, 1)
         else:
             pos = cache.positions(T, offset)  # [B, T] cache slots
             rope_pos = pos if positions is None else positions
@@ -287,7 +290,8 @@ class LlamaModel:
                 W = tree_mask.shape[1]
                 block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
                 allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
-            mask = allowed.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S]
+            blocked = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+            mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
             rows = torch.arange(B).view(B, 1).expand(B, T)
         x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
