@@ -43,6 +43,15 @@ OURS_QUICK = (
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
+def check_families_and_k(families: tuple[str, ...], k: int) -> None:
+    """SpecDecodeError naming the first bundled family we do not have, or a k below 1."""
+    for f in families:
+        if f not in FAMILIES:
+            raise SpecDecodeError(f"unknown family {f!r}; choose from {', '.join(FAMILIES)}")
+    if k < 1:
+        raise SpecDecodeError(f"k must be >= 1, got {k}")
+
+
 @dataclass
 class BenchConfig:
     families: tuple[str, ...] = tuple(FAMILIES)
@@ -66,11 +75,7 @@ class BenchConfig:
         return cfg
 
     def validate(self) -> None:
-        for f in self.families:
-            if f not in FAMILIES:
-                raise SpecDecodeError(f"unknown family {f!r}; choose from {', '.join(FAMILIES)}")
-        if self.k < 1:
-            raise SpecDecodeError(f"k must be >= 1, got {self.k}")
+        check_families_and_k(self.families, self.k)
         if self.max_new_tokens < 4:
             raise SpecDecodeError(f"max-new-tokens must be >= 4 for a benchmark, got {self.max_new_tokens}")
         if self.repeats < 1:
@@ -277,23 +282,18 @@ def _targets(results: dict) -> list[dict]:
     def where(r: dict) -> str:
         return f"{r['family']} {r['prompt_set']} T={r['temperature']:g}"
 
+    def cells(config: str, key: str) -> list[tuple[str, float]]:
+        return [(where(r), r[key]) for r in pick(config) if r[key]]
+
     add(
         "ours target-only >= 4x transformers generate",
         4.0,
-        [
-            (where(r), r["speedup_vs_transformers_generate"])
-            for r in pick("ours target-only")
-            if r["speedup_vs_transformers_generate"]
-        ],
+        cells("ours target-only", "speedup_vs_transformers_generate"),
     )
     add(
         "ours draft (fixed k) >= 3x transformers assisted (same pair, same k)",
         3.0,
-        [
-            (where(r), r["speedup_vs_transformers_assisted"])
-            for r in pick("ours draft (fixed)")
-            if r["speedup_vs_transformers_assisted"]
-        ],
+        cells("ours draft (fixed)", "speedup_vs_transformers_assisted"),
     )
     code = [
         r
@@ -313,7 +313,7 @@ def _targets(results: dict) -> list[dict]:
     add(
         "engine efficiency (measured / Theorem 3.8) >= 0.9, draft model k fixed",
         0.9,
-        [(where(r), r["engine_efficiency"]) for r in pick("ours draft (fixed)") if r["engine_efficiency"]],
+        cells("ours draft (fixed)", "engine_efficiency"),
     )
     add(
         "verification cost T(k+1)/T(1) <= 1.3 at k = 4",

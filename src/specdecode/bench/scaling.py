@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import SpeculativeGenerator
-from ..errors import SpecDecodeError
 from ..lab.common import PROMPTS as PROSE
 from ..models import load
 from ..sampling import SamplingParams
-from .harness import FAMILIES
+from .harness import FAMILIES, check_families_and_k
 from .prompts import CODE
 
 CONFIGS = ("target-only", "draft (fixed)", "draft (optimal)")
@@ -48,11 +47,7 @@ class ScalingConfig:
                 quick=True, contexts=(128, 512, 2048), batches=(1, 4, 16, 32), new_tokens=64, repeats=2
             )
         cfg = ScalingConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
-        for f in cfg.families:
-            if f not in FAMILIES:
-                raise SpecDecodeError(f"unknown family {f!r}; choose from {', '.join(FAMILIES)}")
-        if cfg.k < 1:
-            raise SpecDecodeError(f"k must be >= 1, got {cfg.k}")
+        check_families_and_k(cfg.families, cfg.k)
         return cfg
 
 
