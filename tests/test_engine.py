@@ -233,6 +233,24 @@ def test_two_token_joint_of_target_only_decoding_equals_target(small_vocab_model
     assert ok, msg
 
 
+def test_target_only_joint_check_catches_a_biased_sampler(small_vocab_models, monkeypatch):
+    """Negative control for the plain-round path: sampling from p² (renormalised) must fail."""
+    import specdecode.engine as engine_mod
+    from specdecode.sampling import sample
+
+    def sharpened(probs, noise):
+        p2 = probs * probs
+        return sample(p2 / p2.sum(-1, keepdim=True), noise)
+
+    monkeypatch.setattr(engine_mod, "sample", sharpened)
+    target, _ = small_vocab_models
+    params = SamplingParams(temperature=0.9, top_k=10, max_new_tokens=2, seed=77, ignore_eos=True)
+    results = SpeculativeGenerator(target).generate([PROMPT] * RUNS, params)
+    pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
+    ok, _ = check_distribution(pairs, exact_joint(target, params))
+    assert not ok
+
+
 def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypatch):
     """Negative control: the engine with resample-from-p after rejection must fail the check."""
     import specdecode.engine as engine_mod
