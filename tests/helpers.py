@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.lab.stats import chi2_pvalue, noise_tvs, tv
+from specdecode.models.base import logits_of
 from specdecode.models.init import init_model
 
 
@@ -88,8 +89,16 @@ def two_token_joint(target, prompt: list[int]) -> np.ndarray:
     """P(x1, x2 | prompt) at T = 1 from full forwards, flattened to [V * V] (x1 * V + x2)."""
     V = target.vocab_size
     p1 = torch.softmax(
-        target.forward(torch.tensor([prompt]), target.new_cache(1, len(prompt) + 2))[0, -1], -1
+        logits_of(target, torch.tensor([prompt]), target.new_cache(1, len(prompt) + 2))[0, -1], -1
     )
     seqs = torch.tensor([prompt + [x] for x in range(V)])
-    p2 = torch.softmax(target.forward(seqs, target.new_cache(V, len(prompt) + 2))[:, -1], -1)
+    p2 = torch.softmax(logits_of(target, seqs, target.new_cache(V, len(prompt) + 2))[:, -1], -1)
     return (p1.view(V, 1) * p2).numpy().ravel()
+
+
+def seeded(params, n: int) -> list:
+    """n copies of params with seeds seed, seed + 1, ...: independent, reproducible samples (a
+    seed fixes a row's samples, so n rows with one seed would all draw the same)."""
+    from dataclasses import replace
+
+    return [replace(params, seed=params.seed + i) for i in range(n)]

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, two_token_joint
+from helpers import check_distribution, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.cli import main
 from specdecode.drafters.eagle import load_eagle
+from specdecode.models.base import WITH_HIDDEN, ForwardMeta
 from specdecode.models.init import init_model
 from specdecode.train.heads import train_eagle
 
@@ -51,12 +52,11 @@ def test_eagle_first_draft_reads_the_targets_own_features(eagle_pair):
     context = list(prompt)
     for event in gen.stream([prompt], params):
         (rec,) = event.records()
-        _, h = target.forward(torch.tensor([context[:-1]]), target.new_cache(1, 64), return_hidden=True)
+        _, h = target.forward(torch.tensor([context[:-1]]), target.new_cache(1, 64), WITH_HIDDEN)
         e = torch.nn.functional.embedding(torch.tensor([context[1:]]), target.embed)
         fused = torch.nn.functional.linear(torch.cat([e, h], -1), fc_w, fc_b)
-        logits = layer.forward(torch.tensor([context[1:]]), layer.new_cache(1, 64), inputs_embeds=fused)[
-            0, -1
-        ]
+        meta = ForwardMeta(inputs_embeds=fused)
+        logits = layer.forward(torch.tensor([context[1:]]), layer.new_cache(1, 64), meta)[0][0, -1]
         q = torch.softmax(logits, -1)
         assert rec.draft_prob[0] == pytest.approx(float(q[rec.draft_token_ids[0]]), rel=1e-8)
         context += rec.emitted_token_ids
@@ -73,7 +73,7 @@ def test_eagle_sampling_keeps_the_two_token_joint(tmp_path, tree):
     joint = two_token_joint(target, prompt)
     gen = SpeculativeGenerator(target, k=2, method="eagle", heads=tmp_path / "e", tree=tree)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
-    results = gen.generate([prompt] * 40_000, params)
+    results = gen.generate([prompt] * 40_000, seeded(params, 40_000))
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, joint)
     assert ok, msg

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, two_token_joint
+from helpers import check_distribution, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.cli import main
 from specdecode.drafters.medusa import MedusaHeads
+from specdecode.models.base import WITH_HIDDEN
 from specdecode.models.init import init_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
@@ -46,7 +47,7 @@ def test_heads_read_the_features_of_the_token_before_the_pending_one(target):
     for event in gen.stream([prompt], GREEDY):
         (rec,) = event.records()
         cache = target.new_cache(1, 64)
-        _, hidden = target.forward(torch.tensor([context[:-1]]), cache, return_hidden=True)
+        _, hidden = target.forward(torch.tensor([context[:-1]]), cache, WITH_HIDDEN)
         feats = heads.features(hidden[0, -1])  # [h, d]
         want = (feats @ target.lm_head.T).argmax(-1)[:3].tolist()
         assert rec.draft_token_ids == want
@@ -61,7 +62,7 @@ def test_medusa_sampling_keeps_the_two_token_joint(tmp_path, tree):
     joint = two_token_joint(target, prompt)
     gen = SpeculativeGenerator(target, k=2, method="medusa", heads=random_heads(32, 2, scale=1.0), tree=tree)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
-    results = gen.generate([prompt] * 40_000, params)
+    results = gen.generate([prompt] * 40_000, seeded(params, 40_000))
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, joint)
     assert ok, msg

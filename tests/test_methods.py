@@ -5,11 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy, two_token_joint
+from helpers import check_distribution, noisy_copy, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.drafters import DraftContext
 from specdecode.drafters.ngram import lookup
+from specdecode.models.base import ForwardMeta
 from specdecode.models.init import init_model
-from specdecode.policy import HeuristicPolicy, OptimalPolicy, RoundOutcome, make_policy
+from specdecode.policy import CostModel, HeuristicPolicy, OptimalPolicy, RoundOutcome
+from specdecode.sampling import Warp
 from specdecode.verify import verify_chain
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
@@ -30,8 +33,15 @@ def target_greedy(models):
     return [r.token_ids for r in SpeculativeGenerator(models[0]).generate(PROMPTS, GREEDY)]
 
 
+# a cost model under which drafting pays (the measured one says it does not for these tiny pairs,
+# and the optimal policy then never drafts): the k it picks changes, exactness must not
+CHEAP = CostModel({1: 0.01, 4: 0.01}, 0.0005)
+
+
 def generator(models, method, policy, k=3, **kw):
     target, draft = models
+    if policy == "optimal":
+        kw.setdefault("cost_model", CHEAP)
     return SpeculativeGenerator(
         target, draft=draft if method == "draft" else None, k=k, method=method, policy=policy, **kw
     )
@@ -77,7 +87,7 @@ def test_two_token_joint_equals_target_for_methods_and_policies(small_vocab, met
     target, _ = small_vocab
     gen = generator(small_vocab, method, policy, k=2, confidence_threshold=0.5)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=11, ignore_eos=True)
-    results = gen.generate([prompt] * RUNS, params)
+    results = gen.generate([prompt] * RUNS, seeded(params, RUNS))
     V = target.vocab_size
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, two_token_joint(target, prompt))
@@ -141,21 +151,23 @@ def test_early_exit_draft_is_the_first_layers_and_the_cache_ends_as_a_fresh_pref
     seq = list(prompt)
     for ev in events[:5]:
         (rec,) = ev.records()
-        logits = target.forward(torch.tensor([seq]), target.new_cache(1, 64), num_layers=1)[0, -1]
+        logits = target.forward(torch.tensor([seq]), target.new_cache(1, 64), ForwardMeta(num_layers=1))[0][
+            0, -1
+        ]
         q = torch.softmax(logits, -1)
         assert rec.draft_prob[0] == pytest.approx(float(q[rec.draft_token_ids[0]]), rel=1e-9)
         seq += rec.emitted_token_ids
     # after the run, the shared cache holds exactly what a fresh prefill of the text gives
     cache = target.new_cache(1, 64)
     text = prompt + res.token_ids
-    gen2 = SpeculativeGenerator(target, k=3, method="early-exit", exit_layer=1)
-    from specdecode.engine import Batch
-
-    batch = Batch([text], [params], 3)
-    live = target.new_cache(1, batch.capacity)
+    drafter = SpeculativeGenerator(target, k=3, method="early-exit", exit_layer=1).drafter
+    live = target.new_cache(1, 64)
     target.forward(torch.tensor([text[:-1]]), live)
-    gen2.drafter.start(batch, live)
-    gen2.drafter.propose(batch, 3)  # drafts write past the length ...
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    tokens[0, : len(text)] = torch.tensor(text)
+    ctx = DraftContext(tokens, torch.tensor([len(text)]), Warp.greedy(1), None)
+    state = drafter.start(ctx, live)
+    drafter.propose(state, ctx, torch.tensor([3]))  # drafts write past the length ...
     assert int(live.lengths[0]) == len(text) - 1  # ... without moving it
     target.forward(torch.tensor([text[-1:]]), live)
     target.forward(torch.tensor([text]), cache)
@@ -173,62 +185,60 @@ def test_early_exit_needs_the_lean_runtime_and_a_valid_layer(models, tmp_path):
         SpeculativeGenerator(hf, method="early-exit")
 
 
-def outcome(drafted, accepted, all_accepted, draft_s=0.001, target_s=0.01):
-    return RoundOutcome(drafted, drafted, accepted, 1, all_accepted, draft_s, target_s)
+def outcome(drafted: int, accepted: int, rows: int = 1) -> RoundOutcome:
+    """One round in which every row drafted `drafted` tokens and accepted `accepted`."""
+    tested = min(accepted + 1, drafted)
+    return RoundOutcome([drafted] * rows, [tested] * rows, [accepted] * rows)
 
 
-def test_heuristic_policy_adds_two_after_full_acceptance_and_drops_one_otherwise():
+def optimal(k=4, max_k=None, target_s=(0.01, 0.01), draft_s=0.0004, **kw) -> OptimalPolicy:
+    """An optimal policy over one row with a given cost model: F(1), F(k + 1) and d."""
+    p = OptimalPolicy(k, CostModel({1: target_s[0], k + 1: target_s[1]}, draft_s), max_k, **kw)
+    p.add_rows(1)
+    return p
+
+
+def test_heuristic_policy_adds_two_after_full_acceptance_and_drops_one_otherwise_per_row():
     p = HeuristicPolicy(4, max_k=7)
-    p.observe(outcome(4, 4, True))
-    assert p.next_k() == 6
-    p.observe(outcome(6, 6, True))
-    assert p.next_k() == 7  # capped
+    p.add_rows(2)
+    p.observe(RoundOutcome([4, 4], [4, 1], [4, 0]))
+    assert p.next_k() == [6, 3]  # each row by its own round
+    p.observe(RoundOutcome([6, 3], [6, 3], [6, 3]))
+    assert p.next_k() == [7, 5]  # capped
     for _ in range(10):
-        p.observe(outcome(7, 0, False))
-    assert p.next_k() == 1  # never below 1
+        p.observe(RoundOutcome([7, 5], [1, 1], [0, 0]))
+    assert p.next_k() == [1, 1]  # never below 1
 
 
 def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_cannot_pay():
     from specdecode.theory import optimal_k
 
-    cheap = OptimalPolicy(4, max_k=16)
-    cheap.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))  # an undrafted round: T(1)
+    cheap = optimal(max_k=16)
     for _ in range(50):
-        cheap.observe(outcome(4, 3, False, draft_s=0.0004, target_s=0.01))  # alpha ~ 0.75, c ~ 0.01
+        cheap.observe(outcome(4, 3))  # alpha ~ 0.75, c = 0.04
+    (k,) = cheap.next_k()
+    alpha = OptimalPolicy.alpha(cheap.rows[0])
     # verification as cheap as one token: exactly Theorem 3.8
-    assert cheap.next_k() == optimal_k(cheap.alpha, cheap.cost_ratio, 16) > 4
-    dear = OptimalPolicy(4, probe_every=4)
-    dear.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
+    assert k == optimal_k(alpha, cheap.cost.cost_ratio, 16) > 4
+    dear = optimal(draft_s=0.006, probe_every=4)
     for _ in range(50):
-        dear.observe(outcome(4, 1, False, draft_s=0.024, target_s=0.01))  # c = 0.6, alpha ~ 0.25
-    assert max(dear.speedups()) == 1.0 < max(dear.speedups(alpha=1.0))  # would pay only if alpha rose
-    ks = [dear.next_k() for _ in range(28)]
+        dear.observe(outcome(4, 0))  # c = 0.6, alpha ~ 0.02
+    assert max(dear.speedups(OptimalPolicy.alpha(dear.rows[0]))) == 1.0 < max(dear.speedups(1.0))
+    ks = [dear.next_k()[0] for _ in range(28)]
     # off, probing with k = 1 after 4 rounds, then after 8, then 16 (each probe doubles the wait)
     assert [i + 1 for i, k in enumerate(ks) if k] == [4, 12, 28] and set(ks) == {0, 1}
-    hopeless = OptimalPolicy(4, probe_every=4)
-    hopeless.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
-    for _ in range(50):  # verification twice a plain step (a large batch): no k pays even at alpha = 1
-        hopeless.observe(outcome(4, 1, False, draft_s=0.024, target_s=0.05))
-    assert [hopeless.next_k() for _ in range(40)] == [0] * 40  # off for good, no probes
-
-
-def test_optimal_policy_measures_one_token_cost_after_the_first_drafted_round():
-    p = OptimalPolicy(4)
-    assert p.next_k() == 1  # nothing measured yet: a cheap probe
-    p.observe(outcome(4, 3, False))
-    assert p.next_k() == 0  # an undrafted round measures T(1)
-    p.observe(outcome(0, 0, False))
-    assert p.next_k() > 0
+    # verification five times a plain step (a large batch): no k pays even at alpha = 1
+    hopeless = optimal(target_s=(0.01, 0.05), draft_s=0.006, probe_every=4)
+    assert hopeless.hopeless and [hopeless.next_k()[0] for _ in range(40)] == [0] * 40
 
 
 def test_optimal_policy_explores_until_min_tests_before_turning_drafting_off():
-    p = OptimalPolicy(4, min_tests=8)
-    p.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))  # T(1)
+    p = optimal(target_s=(0.01, 0.011), draft_s=0.005, min_tests=8)
     ks = []
-    for _ in range(12):  # the first draft token always rejected (one test), drafts as dear as a forward
-        k = p.next_k()
+    for _ in range(12):  # the first draft token always rejected (one test), drafts half a forward
+        (k,) = p.next_k()
         ks.append(k)
-        p.observe(RoundOutcome(k, min(k, 1), 0, 1, False, 0.01 * k, 0.011))
+        p.observe(RoundOutcome([k], [min(k, 1)], [0]))
     # one early rejection did not decide: k = 1 and the given k in turn until 8 tests, then off
     assert ks[:8] == [1, 4] * 4 and ks[8:] == [0] * 4, ks
 
@@ -236,18 +246,33 @@ def test_optimal_policy_explores_until_min_tests_before_turning_drafting_off():
 def test_optimal_policy_shortens_k_then_stops_as_verification_becomes_compute_bound():
     ks = []
     for slope in (0.0, 0.1, 0.5, 2.0):  # T(n) = T(1) (1 + slope (n - 1)), as in a growing batch
-        p = OptimalPolicy(4, max_k=16)
-        p.observe(outcome(0, 0, False, draft_s=0.0, target_s=0.01))
+        p = optimal(max_k=16, target_s=(0.01, 0.01 * (1 + 4 * slope)))
         for _ in range(50):
-            p.observe(outcome(4, 3, False, draft_s=0.0004, target_s=0.01 * (1 + 4 * slope)))
-        ks.append(p.next_k())
+            p.observe(outcome(4, 3))
+        ks.append(p.next_k()[0])
     assert ks[0] > ks[1] > ks[2] > ks[3] == 0, ks
-    assert ks[2] == 1  # slope 0.5: S(1) = 1.75 / 1.51 = 1.16 beats S(2) = 2.31 / 2.02 = 1.14
+    assert ks[2] == 1  # slope 0.5: S(1) = 1.75 / 1.54 = 1.13 beats S(2) = 2.31 / 2.08 = 1.11
+
+
+def test_optimal_policy_cost_model_is_measured_once_per_generator_and_saved_as_given(models, tmp_path):
+    gen = generator(models, "draft", "optimal", cost_model=None)
+    assert gen.cost_model is None
+    gen.generate(PROMPTS[:2], GREEDY)
+    cost = gen.cost_model
+    assert cost is not None and cost.draft_s > 0 and set(cost.target_s) == {1, 4}
+    gen.generate(PROMPTS[:3], GREEDY)
+    assert gen.cost_model is cost  # not re-timed
+    cost.save(tmp_path / "cost.json")
+    again = generator(models, "draft", "optimal", cost_model=tmp_path / "cost.json").cost_model
+    assert again.target_s == cost.target_s and again.draft_s == cost.draft_s
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SpecDecodeError, match="cost model"):
+        generator(models, "draft", "optimal", cost_model=tmp_path / "bad.json")
 
 
 def test_unknown_policy_and_bad_threshold_are_clear_errors(models):
     with pytest.raises(SpecDecodeError, match="unknown policy"):
-        make_policy("greedy", 4)
+        SpeculativeGenerator(models[0], k=2, method="ngram", policy="greedy")
     with pytest.raises(SpecDecodeError, match="confidence threshold"):
         SpeculativeGenerator(models[0], k=2, method="ngram", policy="confidence", confidence_threshold=1.5)
     with pytest.raises(SpecDecodeError, match="only used by method 'draft'"):

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import tiny_hf_model
 from specdecode import SpecDecodeError, load
-from specdecode.models import HFModel, LlamaModel, extend
+from specdecode.models import HFModel, LlamaModel, extend, logits_of
 from specdecode.models.init import init_model
 
 
@@ -40,7 +40,9 @@ def test_lean_runtime_logits_match_transformers_llama(llama_dirs, name):
     x = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(0))
     cache = ours.new_cache(3, 32)
     # prefill 11 tokens, then one token at a time: the incremental path must match too
-    got = [ours.forward(x[:, :11], cache)] + [ours.forward(x[:, t : t + 1], cache) for t in range(11, 20)]
+    got = [logits_of(ours, x[:, :11], cache)] + [
+        logits_of(ours, x[:, t : t + 1], cache) for t in range(11, 20)
+    ]
     with torch.no_grad():
         want = ref(x).logits
     assert (torch.cat(got, 1) - want).abs().max().item() < 1e-4
@@ -61,12 +63,12 @@ def test_rewind_then_extend_equals_fresh_prefill_for_ragged_rows(kind, llama_dir
     model.forward(torch.randint(0, 96, (B, 5), generator=g), cache)  # a rejected draft
     cache.rewind(torch.tensor([6, 4, 5]))  # ragged rewind, then feed the true continuation
     lengths = torch.tensor([14, 12, 16])
-    last = extend(model, cache, tokens, lengths)
+    last, _ = extend(model, cache, tokens, lengths)
     fresh = model.new_cache(B, 40)
     for b in range(B):
         n = int(lengths[b])
         row_cache = model.new_cache(1, 40)
-        want = model.forward(tokens[b : b + 1, :n], row_cache)[0, -1]
+        want = logits_of(model, tokens[b : b + 1, :n], row_cache)[0, -1]
         assert (last[b] - want).abs().max().item() < 1e-9, f"row {b}"
     assert cache.lengths.tolist() == lengths.tolist()
     del fresh
@@ -78,8 +80,8 @@ def test_select_rows_keeps_the_selected_rows_state(llama_dirs):
     cache = model.new_cache(3, 16)
     model.forward(tokens[:, :8], cache)
     cache.select_rows(torch.tensor([2, 0]))
-    got = model.forward(tokens[[2, 0], 8:9], cache)[:, 0]
-    want = model.forward(tokens[[2, 0], :9], model.new_cache(2, 16))[:, -1]
+    got = logits_of(model, tokens[[2, 0], 8:9], cache)[:, 0]
+    want = logits_of(model, tokens[[2, 0], :9], model.new_cache(2, 16))[:, -1]
     assert (got - want).abs().max().item() < 1e-9
 
 

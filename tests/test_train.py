@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdecode.cli import main
+from specdecode.models.base import ForwardMeta
 from specdecode.train import data as data_mod
 from specdecode.train.data import read_corpus, train_tokenizer
 from specdecode.train.families import FAMILIES
@@ -171,7 +172,7 @@ def test_target_alone_with_an_early_exit_loss_trains_its_first_layers_to_predict
         tok = Tokenizer.from_file(str(path / "target" / "tokenizer.json"))
         ids = encode_stream(tok, read_corpus(corpus).valid)[:256]
         x = torch.tensor(np.asarray(ids[:-1], dtype=np.int64)).view(1, -1)
-        logits = model.forward(x, model.new_cache(1, x.shape[1] + 1), num_layers=2)
+        logits, _ = model.forward(x, model.new_cache(1, x.shape[1] + 1), ForwardMeta(num_layers=2))
         return float(
             torch.nn.functional.cross_entropy(logits[0], torch.tensor(np.asarray(ids[1:], dtype=np.int64)))
         )

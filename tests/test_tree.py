@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy, two_token_joint
+from helpers import check_distribution, noisy_copy, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.models.base import ForwardMeta, logits_of
 from specdecode.models.init import init_model
 from specdecode.tree import TokenTree, verify_tree
 
@@ -81,7 +82,9 @@ def test_tree_round_through_engine_keeps_the_two_token_joint(tmp_path):
     prompt, V = [5, 9, 2], 16
     joint = two_token_joint(target, prompt)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5, ignore_eos=True)
-    results = SpeculativeGenerator(target, draft=draft, tree="2,2").generate([prompt] * 40_000, params)
+    results = SpeculativeGenerator(target, draft=draft, tree="2,2").generate(
+        [prompt] * 40_000, seeded(params, 40_000)
+    )
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, joint)
     assert ok, msg
@@ -98,8 +101,7 @@ def test_cache_after_keeping_a_tree_path_equals_a_fresh_prefill(models):
     target.forward(
         torch.cat([torch.tensor([[pending]]), nodes], 1),
         cache,
-        positions=base.view(1, 1) + tree.depths().view(1, -1),
-        tree_mask=tree.mask(),
+        ForwardMeta(positions=base.view(1, 1) + tree.depths().view(1, -1), tree_mask=tree.mask()),
     )
     path = [2, 5]  # node (1,) = 12, then its child (1, 0) = 23
     cache.keep_path(base, [path])
@@ -113,7 +115,7 @@ def test_cache_after_keeping_a_tree_path_equals_a_fresh_prefill(models):
     assert torch.allclose(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-10)
     # and decoding continues identically from either cache
     nxt = torch.tensor([[7]])
-    assert torch.allclose(target.forward(nxt, cache), target.forward(nxt, fresh), atol=1e-10)
+    assert torch.allclose(logits_of(target, nxt, cache), logits_of(target, nxt, fresh), atol=1e-10)
 
 
 def test_tree_needs_method_draft_lean_models_and_fixed_policy(models, tmp_path):

@@ -4,11 +4,18 @@ from specdecode import load, SpeculativeGenerator, SamplingParams
 target = load("three-kingdoms/target")
 gen = SpeculativeGenerator(target, draft=load("three-kingdoms/draft-64"), k=4)
 gen.generate(["孔明曰：「"], SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
+
+The core needs only torch, tokenizers, safetensors and numpy; the lab, bench, train and the
+transformers adapter import their libraries when used (extras: specdecode[lab,bench,train,hf]).
 """
 
-from .engine import GenerationResult, RoundEvent, SpeculativeGenerator
+from .config import SpecConfig
+from .drafters import DRAFTERS, Drafter
+from .emit import GenerationResult, RoundEvent
+from .engine import Generation, SpeculativeGenerator
 from .errors import SpecDecodeError
 from .models import load
+from .policy import CostModel
 from .sampling import SamplingParams, logits_to_probs
 from .stats import GenerationStats
 from .verify import verify_chain, verify_greedy
@@ -16,10 +23,15 @@ from .verify import verify_chain, verify_greedy
 __version__ = "0.1.0"
 
 __all__ = [
+    "DRAFTERS",
+    "CostModel",
+    "Drafter",
+    "Generation",
     "GenerationResult",
     "GenerationStats",
     "RoundEvent",
     "SamplingParams",
+    "SpecConfig",
     "SpecDecodeError",
     "SpeculativeGenerator",
     "load",

@@ -17,12 +17,19 @@ class KVCache:
     """Keys and values [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens."""
 
     def __init__(
-        self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # [B]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.capacity = capacity
         self._layer_views()
 
@@ -30,10 +37,6 @@ class KVCache:
         # per-layer views [B, kv_heads, capacity, head_dim]: narrow() on these is a cheap call,
         # indexing the 5-d tensor with a tuple of slices is not (it runs per layer per forward)
         self.layer_k, self.layer_v = list(self.k.unbind(0)), list(self.v.unbind(0))
-
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[1]
 
     def aligned_start(self) -> int | None:
         """The common length of every row (the next write slot), or None if rows differ."""
@@ -45,7 +48,9 @@ class KVCache:
     def positions(self, num_new: int, offset: int = 0) -> torch.Tensor:
         """[B, T] positions of the next num_new tokens of every row, after `offset` tokens that
         are written but not (yet) counted in lengths (an early-exit draft's)."""
-        pos = self.lengths.view(-1, 1) + offset + torch.arange(num_new).view(1, -1)
+        pos = (
+            self.lengths.view(-1, 1) + offset + torch.arange(num_new, device=self.lengths.device).view(1, -1)
+        )
         if int(pos.max()) >= self.capacity:
             raise SpecDecodeError(
                 f"sequence longer than the cache ({self.capacity} tokens); lower max_new_tokens"
@@ -68,8 +73,8 @@ class KVCache:
         for b, path in enumerate(paths):
             if not path:
                 continue
-            src = int(base[b]) + torch.tensor(path)
-            dst = int(base[b]) + 1 + torch.arange(len(path))
+            src = int(base[b]) + torch.tensor(path, device=self.k.device)
+            dst = int(base[b]) + 1 + torch.arange(len(path), device=self.k.device)
             self.k[:, b, :, dst] = self.k[:, b, :, src].clone()
             self.v[:, b, :, dst] = self.v[:, b, :, src].clone()
 
@@ -79,3 +84,23 @@ class KVCache:
         self.v = self.v[:, rows].contiguous()
         self._layer_views()
         self.lengths = self.lengths[rows].clone()
+
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` positions per row (never shrinks; entries kept)."""
+        if capacity <= self.capacity:
+            return
+        pad = capacity - self.capacity
+        self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
+        self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
+        self.capacity = capacity
+        self._layer_views()
+
+    def add_rows(self, other: KVCache) -> None:
+        """Append the rows of another cache of the same model (admission between rounds)."""
+        capacity = max(self.capacity, other.capacity)
+        self.grow(capacity)
+        other.grow(capacity)
+        self.k = torch.cat([self.k, other.k], 1)
+        self.v = torch.cat([self.v, other.v], 1)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self._layer_views()

@@ -67,20 +67,40 @@ class Warp:
     min_p: torch.Tensor  # [B] float
 
     @staticmethod
-    def from_params(params: Sequence[SamplingParams]) -> Warp:
+    def from_params(params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> Warp:
         return Warp(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64),
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
         )
+
+    @staticmethod
+    def greedy(batch_size: int, device: torch.device | str = "cpu") -> Warp:
+        return Warp.from_params([SamplingParams(temperature=0)] * batch_size, device)
 
     @cached_property
     def all_greedy(self) -> bool:  # asked every round: computed once per batch composition
         return bool((self.temperature == 0).all())
 
+    @cached_property
+    def sampled(self) -> list[bool]:
+        """Per row: it samples (temperature > 0), so it draws random numbers."""
+        return (self.temperature > 0).tolist()
+
     def select(self, rows: torch.Tensor) -> Warp:
         return Warp(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
+
+    def extend(self, other: Warp) -> Warp:
+        return Warp(
+            *(
+                torch.cat([a, b])
+                for a, b in zip(
+                    (self.temperature, self.top_k, self.top_p, self.min_p),
+                    (other.temperature, other.top_k, other.top_p, other.min_p),
+                )
+            )
+        )
 
 
 def logits_to_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
@@ -100,7 +120,7 @@ def logits_to_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
 
     if bool((warp.top_k > 0).any()) or bool((warp.top_p < 1).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(V).view(1, 1, V)
+        rank = torch.arange(V, device=logits.device).view(1, 1, V)
         k = torch.where(warp.top_k > 0, warp.top_k, torch.full_like(warp.top_k, V)).view(B, 1, 1)
         # top-p: keep the smallest prefix whose mass reaches top_p (mass before a token < top_p)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
@@ -126,3 +146,51 @@ def sample(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
     probs [..., V], exp_noise [..., V] -> tokens [...]. No host sync.
     """
     return (probs / exp_noise).argmax(-1)
+
+
+class RowRandom:
+    """One torch.Generator per row, each seeded from its row's SamplingParams.seed (fresh
+    entropy when unseeded). Every draw is made row by row from the row's own generator, and a
+    row draws only what its own round needs, so a seeded row gives the same samples alone or
+    in any batch."""
+
+    def __init__(self, seeds: Sequence[int | None], device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generators = [self._generator(s) for s in seeds]
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        if seed is None:
+            g.seed()
+        else:
+            g.manual_seed(seed)
+        return g
+
+    def uniforms(self, counts: Sequence[int], width: int) -> torch.Tensor:
+        """[B, width] float64: row b's first counts[b] entries are U[0, 1) from its generator, the
+        rest 0 (never used: they lie past the row's drafts)."""
+        out = torch.zeros(len(self.generators), width, dtype=torch.float64, device=self.device)
+        for b, (g, n) in enumerate(zip(self.generators, counts)):
+            if n:
+                out[b, :n] = torch.rand(n, dtype=torch.float64, device=self.device, generator=g)
+        return out
+
+    def exp_noise(self, vocab: int, draw: Sequence[bool] | None = None) -> torch.Tensor:
+        """[B, V] float64 Exp(1) noise for sampling argmax(probs / noise); rows with draw[b]
+        False get ones (their argmax is the most likely token) and leave their generator alone."""
+        gens = self.generators
+        if len(gens) == 1 and (draw is None or draw[0]):
+            return torch.empty(1, vocab, dtype=torch.float64, device=self.device).exponential_(
+                generator=gens[0]
+            )
+        out = torch.ones(len(gens), vocab, dtype=torch.float64, device=self.device)
+        for b, g in enumerate(gens):
+            if draw is None or draw[b]:
+                out[b].exponential_(generator=g)
+        return out
+
+    def select(self, rows: Sequence[int]) -> None:
+        self.generators = [self.generators[i] for i in rows]
+
+    def extend(self, other: RowRandom) -> None:
+        self.generators += other.generators

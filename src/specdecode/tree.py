@@ -123,18 +123,18 @@ def verify_tree(
     exp_noise: torch.Tensor | None,  # [B, V] Exp(1) for the extra token
 ) -> TreeVerdict:
     """Walk the tree from the root; exact multi-candidate rejection sampling (or greedy)."""
-    B = node_tokens.shape[0]
-    children = tree.children()
+    B, dev = node_tokens.shape[0], node_tokens.device
+    children = tree.children().to(dev)
     greedy = target_probs is None
     best = target_scores.argmax(-1) if greedy else None  # [B, N + 1]
-    tokens_in = torch.cat([torch.full((B, 1), -1, dtype=torch.long), node_tokens], 1)  # [B, N + 1]
-    cur = torch.zeros(B, dtype=torch.long)  # current input index per row
+    tokens_in = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), node_tokens], 1)  # [B, N+1]
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # current input index per row
     p_cur = None if greedy else target_probs[:, 0].clone()  # [B, V]
     path: list[list[int]] = [[] for _ in range(B)]
-    rows = torch.arange(B)
-    done = torch.zeros(B, dtype=torch.bool)
+    rows = torch.arange(B, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
     for _ in range(tree.depth):
-        moved = torch.zeros(B, dtype=torch.bool)
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
         for r in range(children.shape[1]):
             child = children[cur, r]  # [B]
             live = (child >= 0) & ~moved & ~done

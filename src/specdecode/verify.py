@@ -12,7 +12,34 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from .sampling import RowRandom, Warp, logits_to_probs, sample
+from .tree import TokenTree, verify_tree
+
+
+@dataclass
+class Proposal:
+    """One round's drafts: a chain per row (row b drafted lengths[b] tokens; positions after
+    that are padding), or the candidates of a token tree (every row the tree's N nodes)."""
+
+    tokens: torch.Tensor  # [B, k] long (a tree: [B, N] node tokens)
+    probs: torch.Tensor | None = None  # [B, k, V] the draft probs (None: deterministic, one-hot)
+    lengths: torch.Tensor | None = None  # [B] long (None: every row drafted k)
+    tree: TokenTree | None = None
+
+    @staticmethod
+    def empty(batch_size: int, device: torch.device | str = "cpu") -> Proposal:
+        return Proposal(torch.zeros(batch_size, 0, dtype=torch.long, device=device))
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def draft_lengths(self) -> torch.Tensor:
+        """[B] draft tokens per row."""
+        if self.lengths is not None:
+            return self.lengths
+        B, k = self.tokens.shape
+        return torch.full((B,), k, dtype=torch.long, device=self.tokens.device)
 
 
 @dataclass
@@ -27,13 +54,14 @@ class Verdict:
     uniforms: torch.Tensor | None  # [B, k] the uniforms drawn (None on the greedy path)
     accepted_mask: torch.Tensor  # [B, k] bool: position i accepted (False after the first rejection)
     draft_lengths: torch.Tensor  # [B] long: draft tokens of each row (positions beyond are padding)
+    path: list[list[int]] | None = None  # token trees: accepted node input indices per row (root excluded)
 
     @staticmethod
     def plain(token: torch.Tensor) -> Verdict:
         """A round with no drafts: one target token [B] per row."""
         B = token.shape[0]
-        none = torch.zeros(B, 0)
-        zeros = torch.zeros(B, dtype=torch.long)
+        none = torch.zeros(B, 0, device=token.device)
+        zeros = torch.zeros(B, dtype=torch.long, device=token.device)
         return Verdict(zeros, token.view(B, 1), none, none, none, None, none.bool(), zeros)
 
     @property
@@ -44,7 +72,7 @@ class Verdict:
     def tested(self) -> torch.Tensor:
         """[B, k] bool: position i was reached (every drafted position up to the first rejection)."""
         k = self.accepted_mask.shape[1]
-        i = torch.arange(k).view(1, k)
+        i = torch.arange(k, device=self.accepted.device).view(1, k)
         return (i <= self.accepted.view(-1, 1)) & (i < self.draft_lengths.view(-1, 1))
 
     @property
@@ -69,22 +97,25 @@ def verify_chain(
     """Exact speculative sampling: the emitted tokens are distributed as target_probs. A row
     with draft_lengths n_b < k is verified as if it had drafted n_b tokens (bonus from p_{n_b})."""
     B, k = draft_tokens.shape
-    n = torch.full((B,), k, dtype=torch.long) if draft_lengths is None else draft_lengths
+    dev = draft_tokens.device
+    n = torch.full((B,), k, dtype=torch.long, device=dev) if draft_lengths is None else draft_lengths
     V = target_probs.shape[-1]
-    target_prob = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    # the acceptance test runs in float64 whatever the model's dtype: a uniform is never rounded
+    target_prob = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()
     if draft_probs is None:
         draft_prob = torch.ones_like(target_prob)
     else:
-        draft_prob = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        draft_prob = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()
     # accept iff u < p/q, written u*q < p so q = 0 or p = 0 need no special case
-    ok = uniforms.to(target_prob.dtype) * draft_prob < target_prob
+    ok = uniforms.double() * draft_prob < target_prob
     accept_prob = torch.where(
         draft_prob > 0,
         (target_prob / draft_prob.clamp_min(1e-300)).clamp(max=1.0),
         (target_prob > 0).to(target_prob.dtype),
     )
-    accepted = _leading_run(ok & (torch.arange(k).view(1, k) < n.view(B, 1)))
-    accepted_mask = torch.arange(k).view(1, k) < accepted.view(B, 1)
+    pos_k = torch.arange(k, device=dev).view(1, k)
+    accepted = _leading_run(ok & (pos_k < n.view(B, 1)))
+    accepted_mask = pos_k < accepted.view(B, 1)
 
     # the distribution of the one extra token: residual at the first rejection, else p_k (bonus)
     p_next = target_probs.gather(1, accepted.view(B, 1, 1).expand(B, 1, V)).squeeze(1)  # [B, V]
@@ -102,7 +133,7 @@ def verify_chain(
         p_next = torch.where(rejected, residual, p_next)
     extra = sample(p_next, exp_noise)
 
-    tokens = torch.cat([draft_tokens, torch.zeros(B, 1, dtype=torch.long)], dim=1)
+    tokens = torch.cat([draft_tokens, torch.zeros(B, 1, dtype=torch.long, device=dev)], dim=1)
     tokens.scatter_(1, accepted.view(B, 1), extra.view(B, 1))
     return Verdict(accepted, tokens, draft_prob, target_prob, accept_prob, uniforms, accepted_mask, n)
 
@@ -114,12 +145,72 @@ def verify_greedy(
 ) -> Verdict:
     """Accept while the draft token equals the target's argmax; then emit the argmax."""
     B, k = draft_tokens.shape
-    n = torch.full((B,), k, dtype=torch.long) if draft_lengths is None else draft_lengths
+    dev = draft_tokens.device
+    n = torch.full((B,), k, dtype=torch.long, device=dev) if draft_lengths is None else draft_lengths
     best = target_scores.argmax(-1)  # [B, k+1]
-    match = (draft_tokens == best[:, :k]) & (torch.arange(k).view(1, k) < n.view(B, 1))
+    pos_k = torch.arange(k, device=dev).view(1, k)
+    match = (draft_tokens == best[:, :k]) & (pos_k < n.view(B, 1))
     accepted = _leading_run(match)
-    accepted_mask = torch.arange(k).view(1, k) < accepted.view(B, 1)
-    tokens = torch.cat([draft_tokens, torch.zeros(B, 1, dtype=torch.long)], dim=1)
+    accepted_mask = pos_k < accepted.view(B, 1)
+    tokens = torch.cat([draft_tokens, torch.zeros(B, 1, dtype=torch.long, device=dev)], dim=1)
     tokens.scatter_(1, accepted.view(B, 1), best.gather(1, accepted.view(B, 1)))
-    as_prob = match.to(torch.float32)
-    return Verdict(accepted, tokens, torch.ones(B, k), as_prob, as_prob, None, accepted_mask, n)
+    as_prob = match.to(torch.float64)
+    return Verdict(accepted, tokens, torch.ones(B, k, device=dev), as_prob, as_prob, None, accepted_mask, n)
+
+
+def verify_proposal(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng: RowRandom) -> Verdict:
+    """The one verifier of a round: logits [B, 1 + width, V] of the target at the pending token
+    and every draft (or tree node) -> the Verdict. Greedy batches compare argmaxes; sampled rows
+    use the exact rules, drawing from their own generators only what their drafts need."""
+    if proposal.tree is not None:
+        return _verify_tree_round(proposal, logits, warp, rng)
+    B, k = proposal.tokens.shape
+    V = logits.shape[-1]
+    if k == 0:  # nothing drafted: one target token per row, none of the chain machinery
+        if warp.all_greedy:
+            return Verdict.plain(logits[:, 0].argmax(-1))
+        return Verdict.plain(sample(logits_to_probs(logits, warp)[:, 0], rng.exp_noise(V, warp.sampled)))
+    n = proposal.draft_lengths()
+    if warp.all_greedy:
+        return verify_greedy(proposal.tokens, logits, n)
+    counts = [nb if s else 0 for nb, s in zip(n.tolist(), warp.sampled)]
+    return verify_chain(
+        proposal.tokens,
+        proposal.probs,
+        logits_to_probs(logits, warp),
+        rng.uniforms(counts, k),
+        rng.exp_noise(V, warp.sampled),
+        n,
+    )
+
+
+def _verify_tree_round(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng: RowRandom) -> Verdict:
+    """A token tree's verdict, reported like a chain whose drafts are the accepted path (plus
+    the level where every candidate was rejected); Verdict.path says which nodes to keep."""
+    tree, nodes = proposal.tree, proposal.tokens
+    B, D, dev = nodes.shape[0], tree.depth, nodes.device
+    greedy = warp.all_greedy
+    probs = None if greedy else logits_to_probs(logits, warp)
+    V = logits.shape[-1]
+    tv = verify_tree(
+        tree,
+        nodes,
+        probs,
+        logits,
+        None if greedy else rng.uniforms([tree.size if s else 0 for s in warp.sampled], tree.size),
+        None if greedy else rng.exp_noise(V, warp.sampled),
+    )
+    accepted = torch.tensor([len(p) for p in tv.path], device=dev)
+    tokens = torch.zeros(B, D + 1, dtype=torch.long)
+    target_prob = torch.ones(B, D, dtype=torch.float64)
+    src = (probs if probs is not None else torch.softmax(logits.double(), -1)).cpu()
+    for b in range(B):
+        tokens[b, : len(tv.tokens[b])] = torch.tensor(tv.tokens[b])
+        parents = [0] + tv.path[b]
+        for j in range(len(tv.path[b])):  # p of each accepted node's token at its parent
+            target_prob[b, j] = float(src[b, parents[j], tokens[b, j]])
+    tokens, target_prob = tokens.to(dev), target_prob.to(dev)
+    n_drafts = (accepted + (~torch.tensor(tv.bonus, device=dev)).long()).clamp(max=D)
+    mask = torch.arange(D, device=dev).view(1, D) < accepted.view(B, 1)
+    ones = torch.ones(B, D, dtype=torch.float64, device=dev)
+    return Verdict(accepted, tokens, ones, target_prob, target_prob, None, mask, n_drafts, tv.path)

@@ -114,4 +114,4 @@ def load_transformers(path: Path):
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True).eval()

@@ -1,103 +1,157 @@
-"""The drafter interface: propose k tokens with their draft probs, then keep what was accepted."""
+"""The drafter contract: a base class every drafting method implements, the narrow view of the
+running batch a drafter sees, and the chain of draft tokens autoregressive drafters share.
+
+A drafter object holds only what does not change during a generation (weights, settings).
+Everything per batch (caches, features) lives in the state that start() returns; the engine
+passes it back to every other call, so one drafter can serve any number of runs at once.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..errors import SpecDecodeError
+from ..sampling import RowRandom, Warp, logits_to_probs, sample
+from ..verify import Proposal
+
 if TYPE_CHECKING:
-    from ..engine import Batch
+    from ..config import SpecConfig
+    from ..models.base import Cache, CausalLM
+    from ..tree import TokenTree
 
 
 @dataclass
-class Proposal:
-    """One round's drafts. Row b drafted lengths[b] tokens; positions after that are padding."""
+class DraftContext:
+    """What a drafter sees of the running batch: the tokens so far and how to sample."""
 
-    tokens: torch.Tensor  # [B, k'] long
-    probs: torch.Tensor | None = None  # [B, k', V] the draft probs (None: deterministic, one-hot)
-    lengths: torch.Tensor | None = None  # [B] long (None: every row drafted k')
+    tokens: torch.Tensor  # [B, capacity] long: prompt + generated tokens per row
+    lengths: torch.Tensor  # [B] long: tokens per row; the last is pending (not yet in the target cache)
+    warp: Warp  # per-row sampling parameters
+    rng: RowRandom | None  # per-row generators (None: a greedy context, nothing is drawn)
 
-    @staticmethod
-    def empty(batch_size: int) -> Proposal:
-        return Proposal(torch.zeros(batch_size, 0, dtype=torch.long))
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
 
 
-class StopTracker:
-    """Per-row early stop of drafting on low draft confidence (stop_below): row b keeps the
-    tokens up to and including the first one whose draft probability falls below it."""
+class Drafter:
+    """Proposes draft tokens; never decides acceptance.
 
-    def __init__(self, batch_size: int, stop_below: float | None) -> None:
-        self.stop_below = stop_below
-        self.active = torch.ones(batch_size, dtype=torch.bool)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+    Class attributes declare what a method needs: `requires_hidden` (the engine passes the
+    target's final hidden states of every committed token to observe()), `supports_tree`
+    (propose_tree is implemented), `lean_only` (it reads our runtime's internals). `model` is a
+    separate draft model, if the method has one (its position limit is checked by the engine).
+    """
 
-    def update(self, step: int, conf: torch.Tensor | None) -> bool:
-        """After drafting token `step` (0-based) with confidence [B]; True when every row stopped."""
-        self.lengths[self.active] = step + 1
-        if self.stop_below is not None and conf is not None:
-            self.active &= conf >= self.stop_below
-        return not bool(self.active.any())
+    name: ClassVar[str] = ""
+    requires_hidden: ClassVar[bool] = False
+    supports_tree: ClassVar[bool] = False
+    model: CausalLM | None = None
 
-    def result(self) -> torch.Tensor | None:
-        return self.lengths if self.stop_below is not None else None
+    @classmethod
+    def create(cls, target: CausalLM, draft: CausalLM | None, config: SpecConfig) -> Drafter:
+        """The drafter for `target` from the run's configuration (SpecDecodeError if it cannot be)."""
+        raise NotImplementedError
+
+    def start(self, ctx: DraftContext, target_cache: Cache) -> Any:
+        """A new batch begins (its target cache holds every token but the pending one): return
+        the per-batch state (caches, features) the other calls receive."""
+        return None
+
+    def propose(
+        self, state: Any, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        """Up to limits[b] draft tokens for row b ([B] long) and the draft probs they were drawn
+        from. With stop_below, a row stops after a token whose draft probability is below it.
+        A row draws random numbers (from ctx.rng) only for the tokens it drafts."""
+        raise NotImplementedError
+
+    def propose_tree(self, state: Any, ctx: DraftContext, tree: TokenTree) -> torch.Tensor:
+        """[B, N] the tree's candidate tokens (node i + 1 = tree.choices[i])."""
+        raise SpecDecodeError(f"method {self.name!r} does not draft token trees")
+
+    def observe(self, state: Any, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
+        """hidden [B, T, d]: the target's final hidden states of row b's tokens at positions
+        start[b] .. start[b] + count[b] - 1 (called only when requires_hidden)."""
+
+    def commit(self, state: Any, lengths: torch.Tensor) -> None:
+        """The first lengths[b] tokens of row b are now final; forget anything after them."""
+
+    def select_rows(self, state: Any, rows: torch.Tensor) -> None:
+        """Keep only these rows (the others finished)."""
+
+    def add_rows(self, state: Any, new: Any) -> None:
+        """Append the rows of `new`, a state start() made for rows admitted between rounds."""
 
 
 class DraftChain:
     """One round's chain of draft tokens: each drawn from the drafter's logits (warped and
-    sampled, or argmax when the batch is greedy), its draft probs kept, and per-row stops on
-    low confidence tracked. The shared part of every autoregressive drafter's propose()."""
+    sampled, or argmax when the batch is greedy), its draft probs kept. Row b draws at most
+    limits[b] tokens and stops early on low confidence (stop_below); a row that stopped draws
+    no more random numbers. The shared part of every autoregressive drafter's propose()."""
 
-    def __init__(self, batch: Batch, stop_below: float | None) -> None:
-        self.batch, self.stop_below = batch, stop_below
-        self.greedy = batch.warp.all_greedy
+    def __init__(self, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None) -> None:
+        self.ctx, self.stop_below = ctx, stop_below
+        self.greedy = ctx.warp.all_greedy
+        self.limits = limits.tolist()
+        self.active = [n > 0 for n in self.limits]
+        self.counts = [0] * ctx.size
         self.tokens: list[torch.Tensor] = []  # each [B]
         self.probs: list[torch.Tensor] = []  # each [B, V] (empty when greedy)
-        self.stop = StopTracker(batch.size, stop_below)
+
+    @property
+    def width(self) -> int:
+        return max(self.limits, default=0)
 
     def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Draw the next token [B] from logits [B, V]; also True once every row has stopped."""
-        from ..sampling import logits_to_probs, sample
-
+        step = len(self.tokens)
         if self.greedy:
             tok = logits.argmax(-1)
         else:
-            q = logits_to_probs(logits.unsqueeze(1), self.batch.warp).squeeze(1)  # [B, V]
-            tok = sample(q, self.batch.exp_noise(q.shape[-1]))
+            q = logits_to_probs(logits.unsqueeze(1), self.ctx.warp).squeeze(1)  # [B, V]
+            draw = [a and s for a, s in zip(self.active, self.ctx.warp.sampled)]
+            tok = sample(q, self.ctx.rng.exp_noise(q.shape[-1], draw))
             self.probs.append(q)
         self.tokens.append(tok)
         conf = None
         if self.stop_below is not None:
-            conf = confidence(logits, self.probs or None, tok.view(-1, 1))
-        return tok, self.stop.update(len(self.tokens) - 1, conf)
+            conf = confidence(logits, self.probs or None, tok.view(-1, 1)).tolist()
+        for b, active in enumerate(self.active):
+            if active:
+                self.counts[b] = step + 1
+                self.active[b] = step + 1 < self.limits[b] and (conf is None or conf[b] >= self.stop_below)
+        return tok, not any(self.active)
 
-    def proposal(self, lengths: torch.Tensor | None = None) -> Proposal:
+    def proposal(self) -> Proposal:
         probs = None if self.greedy else torch.stack(self.probs, 1)
-        return Proposal(
-            torch.stack(self.tokens, 1), probs, self.stop.result() if lengths is None else lengths
-        )
+        lengths = torch.tensor(self.counts, dtype=torch.long, device=self.ctx.device)
+        return Proposal(torch.stack(self.tokens, 1), probs, lengths)
 
 
-class Drafter(Protocol):
-    def start(self, batch: Batch, target_cache) -> None:
-        """A new batch begins: set up per-row state (caches) for batch.tokens / batch.lengths.
-        target_cache is the target's cache, for drafters that share it (early exit)."""
-
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        """Up to k draft tokens per row and the draft probs they were drawn from. With
-        stop_below, a row stops after a token whose draft probability is below it."""
-        ...
-
-    def commit(self, lengths: torch.Tensor) -> None:
-        """The first lengths[b] tokens of row b are now final; forget anything after them."""
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (others finished)."""
-
-
-def confidence(logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+def confidence(logits: torch.Tensor, probs: list[torch.Tensor] | None, tokens: torch.Tensor) -> torch.Tensor:
     """[B] the draft's probability of its chosen tokens [B, 1]: from the warped probs when it
     sampled, from the plain softmax when it decoded greedily."""
     p = probs[-1] if probs is not None else torch.softmax(logits.float(), -1)
     return p.gather(1, tokens).squeeze(1)
+
+
+def pad_positions(t: torch.Tensor, capacity: int, dim: int = 1) -> torch.Tensor:
+    """Zero-pad a per-position tensor along `dim` to `capacity` entries (admission)."""
+    extra = capacity - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim)

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import SpecDecodeError
-from ..models.base import CausalLM, extend
+from ..models.base import Cache, CausalLM, ForwardMeta, extend
 from ..tree import TokenTree
-from .base import DraftChain, Proposal
-
-if TYPE_CHECKING:
-    from ..engine import Batch
+from ..verify import Proposal
+from .base import DraftChain, DraftContext, Drafter
 
 
-class DraftModelDrafter:
+@dataclass
+class DraftModelState:
+    cache: Cache  # the draft model's cache: every committed token it has seen
+
+
+class DraftModelDrafter(Drafter):
     """Proposes k tokens by sampling the draft model k times (k - 1 one-token forwards after
     catching up on the tokens it has not seen)."""
+
+    name = "draft"
+    supports_tree = True
 
     def __init__(self, draft: CausalLM, target: CausalLM) -> None:
         if draft.vocab_size != target.vocab_size:
@@ -25,34 +31,46 @@ class DraftModelDrafter:
                 f"vocabulary mismatch: target has {target.vocab_size} tokens, draft has "
                 f"{draft.vocab_size}; the draft must share the target's tokenizer"
             )
+        if draft.device != target.device:
+            raise SpecDecodeError(
+                f"the draft is on {draft.device} and the target on {target.device}; load both on one device"
+            )
         self.model = draft
-        self.cache = None
 
-    def start(self, batch: Batch, target_cache=None) -> None:
-        self.cache = self.model.new_cache(batch.size, batch.capacity)
-        if int(batch.lengths.max()) > 1:  # prefill with the target's (all but the pending token)
-            extend(self.model, self.cache, batch.tokens, batch.lengths - 1)
+    @classmethod
+    def create(cls, target, draft, config) -> DraftModelDrafter:
+        if draft is None:
+            raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
+        return cls(draft, target)
+
+    def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
+        state = DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
+        if int(ctx.lengths.max()) > 1:  # prefill with the target's (all but the pending token)
+            extend(self.model, state.cache, ctx.tokens, ctx.lengths - 1)
+        return state
 
     @torch.inference_mode()
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        logits = extend(self.model, self.cache, batch.tokens, batch.lengths)  # [B, V]
-        chain = DraftChain(batch, stop_below)
-        for i in range(k):
+    def propose(
+        self, state: DraftModelState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        logits, _ = extend(self.model, state.cache, ctx.tokens, ctx.lengths)  # [B, V]
+        chain = DraftChain(ctx, limits, stop_below)
+        for i in range(chain.width):
             tok, stopped = chain.draw(logits)
-            if stopped or i == k - 1:
+            if stopped or i == chain.width - 1:
                 break
-            logits = self.model.forward(tok.view(-1, 1), self.cache)[:, -1]
+            logits = self.model.forward(tok.view(-1, 1), state.cache)[0][:, -1]
         return chain.proposal()
 
     @torch.inference_mode()
-    def propose_tree(self, batch: Batch, tree: TokenTree) -> torch.Tensor:
+    def propose_tree(self, state: DraftModelState, ctx: DraftContext, tree: TokenTree) -> torch.Tensor:
         """[B, N] candidates: node (..., r) is the draft's (r+1)-th most likely token after its
         parent, level by level, one draft forward per level with the tree's attention mask."""
-        B, N = batch.size, tree.size
-        logits = extend(self.model, self.cache, batch.tokens, batch.lengths)  # after the pending token
-        base = self.cache.lengths  # the pending token is at base - 1
-        parents, depths, mask = tree.parents(), tree.depths(), tree.mask()
-        nodes = torch.zeros(B, N, dtype=torch.long)
+        B, N, cache = ctx.size, tree.size, state.cache
+        logits, _ = extend(self.model, cache, ctx.tokens, ctx.lengths)  # after the pending token
+        base = cache.lengths  # the pending token is at base - 1
+        parents, depths, mask = tree.parents(), tree.depths(), tree.mask().to(ctx.device)
+        nodes = torch.zeros(B, N, dtype=torch.long, device=ctx.device)
         level_logits = {0: logits}  # input index of a fed node -> its next-token logits [B, V]
         for d in range(1, tree.depth + 1):
             idx = [i for i in range(1, N + 1) if int(depths[i]) == d]  # input indices at depth d
@@ -64,20 +82,22 @@ class DraftModelDrafter:
                 break
             # feed this level to get the distributions after each of its nodes
             first = idx[0] - 1  # slot offset past the cache length (nodes are stored in order)
-            out = self.model.forward(
-                nodes[:, first : first + len(idx)],
-                self.cache,
-                offset=first,
+            meta = ForwardMeta(
                 positions=(base - 1).view(B, 1) + d,
                 tree_mask=mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
+                offset=first,
                 advance=False,
             )
+            out, _ = self.model.forward(nodes[:, first : first + len(idx)], cache, meta)
             for j, i in enumerate(idx):
                 level_logits[i] = out[:, j]
         return nodes
 
-    def commit(self, lengths: torch.Tensor) -> None:
-        self.cache.rewind(torch.minimum(self.cache.lengths, lengths))
+    def commit(self, state: DraftModelState, lengths: torch.Tensor) -> None:
+        state.cache.rewind(torch.minimum(state.cache.lengths, lengths))
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.cache.select_rows(rows)
+    def select_rows(self, state: DraftModelState, rows: torch.Tensor) -> None:
+        state.cache.select_rows(rows)
+
+    def add_rows(self, state: DraftModelState, new: DraftModelState) -> None:
+        state.cache.add_rows(new.cache)

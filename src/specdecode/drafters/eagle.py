@@ -11,18 +11,17 @@ cache length and overwritten next round (as the early-exit drafter does).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
+from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
-from .base import DraftChain, Proposal
-
-if TYPE_CHECKING:
-    from ..engine import Batch
+from ..verify import Proposal
+from .base import DraftChain, DraftContext, Drafter, pad_positions
 
 KIND = "specdecode-eagle"
 
@@ -44,67 +43,83 @@ def load_eagle(path: str | Path, target: LlamaModel) -> tuple[LlamaModel, torch.
             f"{target.cfg.hidden_size}; train one for this target"
         )
     w = load_file(str(path / "eagle.safetensors"))
-    fc_w, fc_b = w.pop("fc.weight").to(target.dtype), w.pop("fc.bias").to(target.dtype)
+    fc_w = w.pop("fc.weight").to(target.device, target.dtype)
+    fc_b = w.pop("fc.bias").to(target.device, target.dtype)
     w["model.embed_tokens.weight"] = target.embed
-    layer = LlamaModel(LlamaConfig.from_dict(meta["layer_config"]), w, target.dtype)
+    layer = LlamaModel(LlamaConfig.from_dict(meta["layer_config"]), w, target.dtype, target.device)
     layer.lm_head = target.lm_head
     return layer, fc_w, fc_b, meta
 
 
-class EagleDrafter:
-    needs_hidden = True
+@dataclass
+class EagleState:
+    cache: Cache  # the layer's one-layer cache over (feature, next token) pairs
+    feats: torch.Tensor  # [B, capacity, d] the target's features by position
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    requires_hidden = True
+    supports_tree = True
 
     def __init__(self, target, eagle: str | Path) -> None:
         if not isinstance(target, LlamaModel):
             raise SpecDecodeError("method eagle needs a Llama target on our lean runtime (--backend lean)")
         self.target = target
         self.layer, self.fc_w, self.fc_b, self.meta = load_eagle(eagle, target)
-        self.model = None
-        self.cache = None
-        self.feats: torch.Tensor | None = None  # [B, capacity, d] the target's features by position
 
-    def start(self, batch: Batch, target_cache) -> None:
-        self.cache = self.layer.new_cache(batch.size, batch.capacity)
-        self.feats = torch.zeros(
-            batch.size, batch.capacity, self.target.cfg.hidden_size, dtype=self.target.dtype
-        )
+    @classmethod
+    def create(cls, target, draft, config) -> EagleDrafter:
+        if config.heads is None:
+            raise SpecDecodeError("method 'eagle' needs a trained EAGLE drafter (--heads DIR)")
+        return cls(target, config.heads)
 
-    def observe_features(self, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
-        for b in range(hidden.shape[0]):
-            n = int(count[b])
-            self.feats[b, int(start[b]) : int(start[b]) + n] = hidden[b, :n]
+    def start(self, ctx: DraftContext, target_cache) -> EagleState:
+        d = self.target.cfg.hidden_size
+        feats = torch.zeros(ctx.size, ctx.capacity, d, dtype=self.target.dtype, device=ctx.device)
+        return EagleState(self.layer.new_cache(ctx.size, ctx.capacity), feats)
+
+    def observe(
+        self, state: EagleState, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor
+    ) -> None:
+        for b, (s, n) in enumerate(zip(start.tolist(), count.tolist())):
+            state.feats[b, s : s + n] = hidden[b, :n]
 
     def _fuse(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
         return F.linear(torch.cat([F.embedding(tokens, self.target.embed), feats], -1), self.fc_w, self.fc_b)
 
-    def _catch_up(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _catch_up(
+        self, state: EagleState, ctx: DraftContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Feed the committed pairs not yet in the layer's cache; return the logits [B, V] and
         predicted feature [B, d] after the pending token, and how many pairs each row fed [B]."""
-        B = batch.size
-        n = batch.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
-        done = self.cache.lengths.clone()
+        B, dev = ctx.size, ctx.device
+        n = ctx.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
+        done = state.cache.lengths.clone()
         todo = (n - 1 - done).clamp(min=0)
         M = max(int(todo.max()), 1)
-        j = (done.view(B, 1) + torch.arange(M).view(1, M)).clamp(max=batch.capacity - 2)  # pair indices
+        j = (done.view(B, 1) + torch.arange(M, device=dev).view(1, M)).clamp(max=ctx.capacity - 2)  # pairs
         fused = self._fuse(
-            batch.tokens.gather(1, j + 1),
-            self.feats.gather(1, j.unsqueeze(-1).expand(B, M, self.feats.shape[-1])),
+            ctx.tokens.gather(1, j + 1),
+            state.feats.gather(1, j.unsqueeze(-1).expand(B, M, state.feats.shape[-1])),
         )
-        logits, hidden = self.layer.forward(j, self.cache, inputs_embeds=fused, return_hidden=True)
-        self.cache.rewind(done + todo)  # padding of shorter rows is dropped
+        meta = ForwardMeta(return_hidden=True, inputs_embeds=fused)
+        logits, hidden = self.layer.forward(j, state.cache, meta)
+        state.cache.rewind(done + todo)  # padding of shorter rows is dropped
         last = (todo - 1).clamp(min=0)
-        return logits[torch.arange(B), last], hidden[torch.arange(B), last], todo
+        rows = torch.arange(B, device=dev)
+        return logits[rows, last], hidden[rows, last], todo
 
     @torch.inference_mode()
-    def propose_tree(self, batch: Batch, tree) -> torch.Tensor:
+    def propose_tree(self, state: EagleState, ctx: DraftContext, tree) -> torch.Tensor:
         """[B, N] candidates: each node's children are the layer's top-ranked tokens after it,
         one layer forward per depth over (parent feature, node token) pairs with the tree mask."""
-        B, N = batch.size, tree.size
-        logits, feat, _ = self._catch_up(batch)
-        base = self.cache.lengths  # slot of the first draft pair
-        parents, depths, mask = tree.parents(), tree.depths(), tree.mask()
-        nodes = torch.zeros(B, N, dtype=torch.long)
+        B, N = ctx.size, tree.size
+        logits, feat, _ = self._catch_up(state, ctx)
+        base = state.cache.lengths  # slot of the first draft pair
+        parents, depths, mask = tree.parents(), tree.depths(), tree.mask().to(ctx.device)
+        nodes = torch.zeros(B, N, dtype=torch.long, device=ctx.device)
         level = {0: (logits, feat)}  # input index -> (logits after it, its predicted feature)
         for d in range(1, tree.depth + 1):
             idx = [i for i in range(1, N + 1) if int(depths[i]) == d]
@@ -116,45 +131,50 @@ class EagleDrafter:
             first = idx[0] - 1
             parent_feats = torch.stack([level[parents[i - 1]][1] for i in idx], 1)  # [B, T, d]
             toks = nodes[:, first : first + len(idx)]
-            out, h = self.layer.forward(
-                toks,
-                self.cache,
-                inputs_embeds=self._fuse(toks, parent_feats),
-                offset=first,
+            meta = ForwardMeta(
                 positions=base.view(B, 1) + d - 1,
                 tree_mask=mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
+                offset=first,
                 advance=False,
                 return_hidden=True,
+                inputs_embeds=self._fuse(toks, parent_feats),
             )
+            out, h = self.layer.forward(toks, state.cache, meta)
             for t, i in enumerate(idx):
                 level[i] = (out[:, t], h[:, t])
         return nodes
 
     @torch.inference_mode()
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        B = batch.size
-        if int((batch.lengths - 1 - self.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
-            return Proposal.empty(B)
-        logits, feat, todo = self._catch_up(batch)
-        chain = DraftChain(batch, stop_below)
-        for i in range(k):
+    def propose(
+        self, state: EagleState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        B = ctx.size
+        if int((ctx.lengths - 1 - state.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
+            return Proposal.empty(B, ctx.device)
+        logits, feat, todo = self._catch_up(state, ctx)
+        chain = DraftChain(ctx, torch.where(todo > 0, limits, 0), stop_below)  # no feature yet: no drafts
+        for i in range(chain.width):
             tok, stopped = chain.draw(logits)
-            if stopped or i == k - 1:
+            if stopped or i == chain.width - 1:
                 break
-            fused = self._fuse(tok.view(B, 1), feat.view(B, 1, -1))
-            out, h = self.layer.forward(
-                tok.view(B, 1), self.cache, inputs_embeds=fused, offset=i, advance=False, return_hidden=True
+            meta = ForwardMeta(
+                offset=i,
+                advance=False,
+                return_hidden=True,
+                inputs_embeds=self._fuse(tok.view(B, 1), feat.view(B, 1, -1)),
             )
+            out, h = self.layer.forward(tok.view(B, 1), state.cache, meta)
             logits, feat = out[:, -1], h[:, -1]
-        lengths = chain.stop.result()
-        if lengths is None:
-            lengths = torch.full((B,), len(chain.tokens), dtype=torch.long)
-        # rows with no feature yet draft nothing
-        return chain.proposal(torch.where(todo > 0, lengths, torch.zeros_like(lengths)))
+        return chain.proposal()
 
-    def commit(self, lengths: torch.Tensor) -> None:
-        self.cache.rewind(torch.minimum(self.cache.lengths, (lengths - 1).clamp(min=0)))
+    def commit(self, state: EagleState, lengths: torch.Tensor) -> None:
+        state.cache.rewind(torch.minimum(state.cache.lengths, (lengths - 1).clamp(min=0)))
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.cache.select_rows(rows)
-        self.feats = self.feats[rows]
+    def select_rows(self, state: EagleState, rows: torch.Tensor) -> None:
+        state.cache.select_rows(rows)
+        state.feats = state.feats[rows]
+
+    def add_rows(self, state: EagleState, new: EagleState) -> None:
+        state.cache.add_rows(new.cache)
+        capacity = state.cache.capacity
+        state.feats = torch.cat([pad_positions(state.feats, capacity), pad_positions(new.feats, capacity)])

@@ -5,19 +5,18 @@ forward over the same tokens overwrites those entries with identical values."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..errors import SpecDecodeError
+from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaModel
-from .base import DraftChain, Proposal
-
-if TYPE_CHECKING:
-    from ..engine import Batch
+from ..verify import Proposal
+from .base import DraftChain, DraftContext, Drafter
 
 
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
+    name = "early-exit"
+
     def __init__(self, target, exit_layer: int | None = None) -> None:
         if not isinstance(target, LlamaModel):
             raise SpecDecodeError(
@@ -28,27 +27,26 @@ class EarlyExitDrafter:
         if not 1 <= m < L:
             raise SpecDecodeError(f"exit layer must be in 1..{L - 1} for a {L}-layer target, got {m}")
         self.target, self.exit_layer = target, m
-        self.model = None  # no separate draft model
-        self.cache = None
 
-    def start(self, batch: Batch, target_cache) -> None:
-        self.cache = target_cache
+    @classmethod
+    def create(cls, target, draft, config) -> EarlyExitDrafter:
+        return cls(target, config.exit_layer)
+
+    def start(self, ctx: DraftContext, target_cache: Cache) -> Cache:
+        return target_cache  # the state is the target's own cache (rows selected and added by the engine)
 
     @torch.inference_mode()
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        B = batch.size
-        tok = batch.tokens.gather(1, (batch.lengths - 1).view(B, 1))  # the pending token
-        chain = DraftChain(batch, stop_below)
-        for i in range(k):
-            logits = self.target.forward(tok, self.cache, num_layers=self.exit_layer, offset=i)[:, -1]
+    def propose(
+        self, state: Cache, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        B = ctx.size
+        tok = ctx.tokens.gather(1, (ctx.lengths - 1).view(B, 1))  # the pending token
+        chain = DraftChain(ctx, limits, stop_below)
+        for i in range(chain.width):
+            meta = ForwardMeta(num_layers=self.exit_layer, offset=i)
+            logits = self.target.forward(tok, state, meta)[0][:, -1]
             nxt, stopped = chain.draw(logits)
             if stopped:
                 break
             tok = nxt.view(B, 1)
         return chain.proposal()
-
-    def commit(self, lengths: torch.Tensor) -> None:
-        pass  # the target cache is rewound by the engine
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass  # the same cache object, already selected by the engine

@@ -10,20 +10,17 @@ each head's top-ranked tokens at its depth.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
 from ..models.llama import LlamaModel
-from ..sampling import logits_to_probs, sample
 from ..tree import TokenTree
-from .base import Proposal
-
-if TYPE_CHECKING:
-    from ..engine import Batch
+from ..verify import Proposal
+from .base import DraftChain, DraftContext, Drafter
 
 KIND = "specdecode-medusa-heads"
 
@@ -73,9 +70,16 @@ class MedusaHeads:
         )
 
 
-class MedusaDrafter:
-    needs_hidden = True
-    model = None
+@dataclass
+class MedusaState:
+    hidden: torch.Tensor  # [B, d] the target's features at the position before each pending token
+    known: torch.Tensor  # [B] bool: the row has such a feature (a one-token prompt has none yet)
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+    requires_hidden = True
+    supports_tree = True
 
     def __init__(self, target, heads: MedusaHeads) -> None:
         if not isinstance(target, LlamaModel):
@@ -86,52 +90,63 @@ class MedusaDrafter:
                 f"{target.cfg.hidden_size}; train heads for this target"
             )
         self.target = target
-        self.heads = MedusaHeads(heads.weight.to(target.dtype), heads.bias.to(target.dtype), heads.meta)
-        self.hidden: torch.Tensor | None = None  # [B, d] at the position before the pending token
+        w, b = heads.weight.to(target.device, target.dtype), heads.bias.to(target.device, target.dtype)
+        self.heads = MedusaHeads(w, b, heads.meta)
 
-    def start(self, batch: Batch, target_cache) -> None:
-        self.hidden = None
+    @classmethod
+    def create(cls, target, draft, config) -> MedusaDrafter:
+        if config.heads is None:
+            raise SpecDecodeError("method 'medusa' needs trained heads (--heads DIR)")
+        heads = config.heads
+        return cls(target, MedusaHeads.load(heads) if isinstance(heads, (str, Path)) else heads)
 
-    def observe_features(self, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
-        """hidden [B, T, d]: the target's features of positions start[b] .. start[b] + count[b] - 1;
-        the heads read the last of them (the token before the new pending one)."""
+    def start(self, ctx: DraftContext, target_cache) -> MedusaState:
+        d = self.target.cfg.hidden_size
+        hidden = torch.zeros(ctx.size, d, dtype=self.target.dtype, device=ctx.device)
+        return MedusaState(hidden, torch.zeros(ctx.size, dtype=torch.bool, device=ctx.device))
+
+    def observe(
+        self, state: MedusaState, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor
+    ) -> None:
+        """The heads read the last feature given (the token before the new pending one)."""
         last = (count - 1).clamp(min=0)
-        self.hidden = hidden[torch.arange(hidden.shape[0]), last]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        state.hidden = torch.where((count > 0).view(-1, 1), hidden[rows, last], state.hidden)
+        state.known = state.known | (count > 0)
 
-    def _logits(self) -> torch.Tensor:
-        return F.linear(self.heads.features(self.hidden), self.target.lm_head)  # [B, h, V]
-
-    @torch.inference_mode()
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        if self.hidden is None:  # a one-token prompt: nothing seen yet
-            return Proposal.empty(batch.size)
-        k = min(k, self.heads.num_heads)
-        logits = self._logits()[:, :k]  # [B, k, V]
-        if batch.warp.all_greedy:
-            return Proposal(logits.argmax(-1))
-        q = logits_to_probs(logits, batch.warp)  # [B, k, V]
-        tokens = torch.stack([sample(q[:, i], batch.exp_noise(q.shape[-1])) for i in range(k)], 1)
-        return Proposal(tokens, q)
+    def _logits(self, state: MedusaState) -> torch.Tensor:
+        return F.linear(self.heads.features(state.hidden), self.target.lm_head)  # [B, h, V]
 
     @torch.inference_mode()
-    def propose_tree(self, batch: Batch, tree: TokenTree) -> torch.Tensor:
+    def propose(
+        self, state: MedusaState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        limits = torch.where(state.known, limits.clamp(max=self.heads.num_heads), 0)
+        chain = DraftChain(ctx, limits, stop_below)
+        if chain.width == 0:  # one-token prompts: nothing seen yet
+            return Proposal.empty(ctx.size, ctx.device)
+        logits = self._logits(state)  # [B, h, V]: head i drafts position i, independently
+        for i in range(chain.width):
+            if chain.draw(logits[:, i])[1]:
+                break
+        return chain.proposal()
+
+    @torch.inference_mode()
+    def propose_tree(self, state: MedusaState, ctx: DraftContext, tree: TokenTree) -> torch.Tensor:
         if tree.depth > self.heads.num_heads:
             raise SpecDecodeError(
                 f"a tree of depth {tree.depth} needs {tree.depth} Medusa heads, have {self.heads.num_heads}"
             )
-        B = batch.size
-        if self.hidden is None:
-            return torch.zeros(B, tree.size, dtype=torch.long)
         width = 1 + max(max(c) for c in tree.choices)
-        top = self._logits().topk(width, -1).indices  # [B, h, width]
-        nodes = torch.zeros(B, tree.size, dtype=torch.long)
+        top = self._logits(state).topk(width, -1).indices  # [B, h, width]
+        nodes = torch.zeros(ctx.size, tree.size, dtype=torch.long, device=ctx.device)
         for i, c in enumerate(tree.choices):
             nodes[:, i] = top[:, len(c) - 1, c[-1]]
-        return nodes
+        return nodes  # rows with no feature yet get candidates from a zero feature (still exact)
 
-    def commit(self, lengths: torch.Tensor) -> None:
-        pass
+    def select_rows(self, state: MedusaState, rows: torch.Tensor) -> None:
+        state.hidden, state.known = state.hidden[rows], state.known[rows]
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        if self.hidden is not None:
-            self.hidden = self.hidden[rows]
+    def add_rows(self, state: MedusaState, new: MedusaState) -> None:
+        state.hidden = torch.cat([state.hidden, new.hidden])
+        state.known = torch.cat([state.known, new.known])

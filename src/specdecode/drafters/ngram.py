@@ -7,16 +7,12 @@ verification accepts a token with probability p(x): exact, like any other drafte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
-from .base import Proposal
-
-if TYPE_CHECKING:
-    from ..engine import Batch
+from ..verify import Proposal
+from .base import DraftContext, Drafter
 
 
 def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> np.ndarray:
@@ -33,32 +29,31 @@ def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> np.ndarray:
     return context[:0]
 
 
-class NgramDrafter:
-    """Proposes up to k tokens per row by prompt lookup; a row with a shorter match drafts fewer
-    (none: a plain target step for that row), and the round's width is the longest match."""
+class NgramDrafter(Drafter):
+    """Proposes up to limits[b] tokens per row by prompt lookup; a row with a shorter match
+    drafts fewer (none: a plain target step for that row), and the round's width is the longest
+    match. Stateless: the context is all it reads."""
 
-    model = None
+    name = "ngram"
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise SpecDecodeError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def start(self, batch: Batch, target_cache) -> None:
-        pass
+    @classmethod
+    def create(cls, target, draft, config) -> NgramDrafter:
+        return cls(config.ngram_max, config.ngram_min)
 
-    def propose(self, batch: Batch, k: int, stop_below: float | None = None) -> Proposal:
-        tokens = batch.tokens.numpy()
-        lengths = batch.lengths.tolist()
-        found = [lookup(tokens[b, : lengths[b]], k, self.max_n, self.min_n) for b in range(batch.size)]
+    def propose(
+        self, state: None, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        tokens = ctx.tokens.cpu().numpy()
+        lengths, ks = ctx.lengths.tolist(), limits.tolist()
+        found = [lookup(tokens[b, : lengths[b]], ks[b], self.max_n, self.min_n) for b in range(ctx.size)]
         width = max(len(f) for f in found)
-        out = torch.zeros(batch.size, width, dtype=torch.long)  # padding after a row's own drafts
+        out = torch.zeros(ctx.size, width, dtype=torch.long)  # padding after a row's own drafts
         for b, f in enumerate(found):
             out[b, : len(f)] = torch.from_numpy(f.copy())
-        return Proposal(out, None, torch.tensor([len(f) for f in found], dtype=torch.long))
-
-    def commit(self, lengths: torch.Tensor) -> None:
-        pass
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
+        drafted = torch.tensor([len(f) for f in found], dtype=torch.long)
+        return Proposal(out.to(ctx.device), None, drafted.to(ctx.device))

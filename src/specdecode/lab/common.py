@@ -183,15 +183,7 @@ def encode(model, text: str) -> list[int]:
 def next_token_probs(model, ids: list[int]) -> np.ndarray:
     """The model's full next-token distribution at T = 1 after ids, in float64 [V]."""
     cache = model.new_cache(1, len(ids) + 1)
-    logits = model.forward(torch.tensor([ids]), cache)[0, -1].double()
-    return torch.softmax(logits, -1).numpy()
-
-
-@torch.inference_mode()
-def prefix_probs(model, ids: list[int]) -> np.ndarray:
-    """Next-token distributions after every prefix ids[:i+1], float64 [len(ids), V]."""
-    cache = model.new_cache(1, len(ids) + 1)
-    logits = model.forward(torch.tensor([ids]), cache)[0].double()
+    logits = model.forward(torch.tensor([ids]), cache)[0][0, -1].double()
     return torch.softmax(logits, -1).numpy()
 
 

@@ -47,7 +47,7 @@ def measure_pair(cfg: LabConfig, draft: str, k: int, new_tokens: int, seeds: int
 def last_probs(model, rows: list[list[int]]) -> np.ndarray:
     """[n, V] next-token distributions after each row (rows of equal length, one forward)."""
     cache = model.new_cache(len(rows), len(rows[0]) + 1)
-    logits = model.forward(torch.tensor(rows), cache)[:, -1].double()
+    logits = model.forward(torch.tensor(rows), cache)[0][:, -1].double()
     return torch.softmax(logits, -1).numpy()
 
 

@@ -46,7 +46,7 @@ def train_pair(out: Path, seed: int = 0, epochs: int = 30) -> dict:
     for name, dim, layers, heads, lr in (("draft", 32, 2, 2, 0.01), ("target", 64, 4, 4, 0.005)):
         path = init_model(out / name, vocab=VOCAB, layers=layers, dim=dim, heads=heads, seed=seed)
         with quiet_transformers():
-            model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+            model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
         opt = torch.optim.Adam(model.parameters(), lr=lr)
         torch.manual_seed(seed)
         t0 = time.perf_counter()

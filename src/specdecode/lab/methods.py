@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from ..config import POLICIES
 from ..engine import SpeculativeGenerator
-from ..policy import POLICIES
 from ..sampling import SamplingParams
 from .common import LabConfig, LabResult, Table, label, new_figure
 

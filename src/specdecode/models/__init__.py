@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecDecodeError
-from .base import CausalLM, extend
+from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
 from .llama import LlamaConfig, LlamaModel
 from .tokenizer import TextTokenizer
@@ -22,7 +22,21 @@ BUNDLED = (
     "python-code/draft",
 )
 
-__all__ = ["BUNDLED", "CausalLM", "HFModel", "LlamaModel", "extend", "load", "models_dir", "resolve"]
+__all__ = [
+    "BUNDLED",
+    "PLAIN",
+    "WITH_HIDDEN",
+    "CausalLM",
+    "ForwardMeta",
+    "HFModel",
+    "LlamaModel",
+    "extend",
+    "load",
+    "logits_of",
+    "models_dir",
+    "resolve",
+    "resolve_device",
+]
 
 
 def models_dir() -> Path:
@@ -64,9 +78,35 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def load(name_or_path: str | os.PathLike, *, backend: str = "auto", dtype: torch.dtype = torch.float32):
-    """Load a model: our lean runtime for Llama checkpoints ('lean'), transformers otherwise ('hf')."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device from 'cpu', 'cuda' or 'cuda:N'; SpecDecodeError if this machine has none."""
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError:
+        raise SpecDecodeError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecDecodeError(f"device {device!r}: this torch build or machine has no CUDA GPU; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SpecDecodeError(
+                f"device {device!r}: only {torch.cuda.device_count()} GPU(s) here; use cuda:0 .. "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif dev.type != "cpu":
+        raise SpecDecodeError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return dev
+
+
+def load(
+    name_or_path: str | os.PathLike,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Load a model: our lean runtime for Llama checkpoints ('lean'), transformers otherwise ('hf'),
+    its weights on `device` (cpu, cuda, cuda:N). Reads local files only; nothing is downloaded."""
+    dev = resolve_device(device)
     path = resolve(name_or_path)
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -84,7 +124,7 @@ def load(name_or_path: str | os.PathLike, *, backend: str = "auto", dtype: torch
             use_lean = False
     if use_lean:
         try:
-            model = LlamaModel.from_dir(path, dtype)
+            model = LlamaModel.from_dir(path, dtype, dev)
         except KeyError as e:
             raise SpecDecodeError(f"{path}: weight {e} is missing; is this a Llama checkpoint?") from None
         except NotImplementedError as e:
@@ -92,7 +132,7 @@ def load(name_or_path: str | os.PathLike, *, backend: str = "auto", dtype: torch
                 f"{path}: our runtime cannot run this model ({e}); use backend='hf'"
             ) from None
     else:
-        model = HFModel.from_dir(path, dtype)
+        model = HFModel.from_dir(path, dtype, dev)
     model.name = str(name_or_path)
     model.path = path
     model.tokenizer = TextTokenizer.from_dir(path)

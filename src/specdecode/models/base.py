@@ -1,8 +1,9 @@
-"""What every model looks like to the engine: forward(tokens, cache) -> logits, with a cache
-that the model appends to and the engine rewinds."""
+"""What every model looks like to the engine: forward(tokens, cache, meta) -> (logits, hidden),
+with a cache that the model appends to and the engine rewinds."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -11,12 +12,44 @@ import torch
 from .tokenizer import TextTokenizer
 
 
+@dataclass(frozen=True)
+class ForwardMeta:
+    """What one forward does besides appending tokens [B, T] at each row's cache length.
+
+    positions: [B, T] RoPE positions (default: the cache slots the tokens are written to).
+    tree_mask: [T, offset + T] bool, which of the slots past each row's length a new token may
+        attend to (every slot below the length is always visible); token trees.
+    offset: write `offset` slots past each row's length (drafts not counted in the length).
+    advance: move each row's length past the new tokens (False: leave lengths alone).
+    num_layers: run only the first m layers, then the final norm and LM head (an early exit);
+        never advances the lengths.
+    return_hidden: also return the final-normed hidden states [B, T, hidden].
+    inputs_embeds: [B, T, hidden] replaces the token embeddings (EAGLE feeds fused features).
+    Only our lean runtime takes the tree, offset, early-exit and embedding fields.
+    """
+
+    positions: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    offset: int = 0
+    advance: bool = True
+    num_layers: int | None = None
+    return_hidden: bool = False
+    inputs_embeds: torch.Tensor | None = None
+
+
+PLAIN = ForwardMeta()
+WITH_HIDDEN = ForwardMeta(return_hidden=True)
+
+
 class Cache(Protocol):
     lengths: torch.Tensor  # [B] tokens held per row
+    capacity: int
 
     def rewind(self, lengths: torch.Tensor) -> None: ...
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
+
+    def add_rows(self, other: Cache) -> None: ...
 
 
 class CausalLM(Protocol):
@@ -24,24 +57,34 @@ class CausalLM(Protocol):
     path: Path
     vocab_size: int
     dtype: torch.dtype
+    device: torch.device
     tokenizer: TextTokenizer | None
     eos_token_ids: tuple[int, ...]
+    max_positions: int | None
 
     def new_cache(self, batch_size: int, capacity: int) -> Cache: ...
 
-    def forward(self, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """tokens [B, T] appended at each row's cache length -> logits [B, T, V]."""
+    def forward(
+        self, tokens: torch.Tensor, cache: Cache, meta: ForwardMeta = PLAIN
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [B, T] appended at each row's cache length -> (logits [B, T, V], hidden
+        [B, T, d] when meta.return_hidden else None)."""
         ...
 
     def num_parameters(self) -> int: ...
 
 
+def logits_of(model: CausalLM, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """Just the logits [B, T, V] of a plain forward (appends to the cache)."""
+    return model.forward(tokens, cache)[0]
+
+
 def extend(
     model: CausalLM, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bring each row's cache up to lengths[b] tokens of tokens [B, N]; return the logits [B, V]
-    that follow each row's last token (and, with return_hidden, the final hidden states of every
-    token fed, [B, n, hidden], row b valid for its first lengths[b] - start[b] entries).
+    that follow each row's last token and, with return_hidden, the final hidden states of every
+    token fed ([B, n, hidden], row b valid for its first lengths[b] - start[b] entries; else None).
 
     Rows may be ragged: the uncached suffixes are fed right-padded in one forward, then the
     cache is rewound to the true lengths (the padding is never attended to again). A row
@@ -53,12 +96,10 @@ def extend(
     if n <= 0:
         raise ValueError("extend: nothing to feed")
     B = tokens.shape[0]
-    idx = (start.view(B, 1) + torch.arange(n).view(1, n)).clamp(max=tokens.shape[1] - 1)
-    out = model.forward(tokens.gather(1, idx), cache, **({"return_hidden": True} if return_hidden else {}))
-    logits, hidden = out if return_hidden else (out, None)  # [B, n, V], [B, n, hidden]
+    idx = (start.view(B, 1) + torch.arange(n, device=tokens.device).view(1, n)).clamp(max=tokens.shape[1] - 1)
+    meta = WITH_HIDDEN if return_hidden else PLAIN
+    logits, hidden = model.forward(tokens.gather(1, idx), cache, meta)  # [B, n, V], [B, n, hidden]
     cache.rewind(lengths)
     last = (todo - 1).clamp(min=0).view(B, 1, 1)
     at_last = logits.gather(1, last.expand(B, 1, logits.shape[-1])).squeeze(1)
-    if not return_hidden:
-        return at_last
     return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i

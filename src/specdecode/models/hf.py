@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import SpecDecodeError
+from .base import PLAIN, ForwardMeta
 from .tokenizer import TextTokenizer
 
 
@@ -36,12 +38,12 @@ def quiet_transformers() -> Iterator[None]:
 class HFCache:
     """A transformers DynamicCache plus the live-slot mask that gives each row its own length."""
 
-    def __init__(self, batch_size: int, capacity: int) -> None:
+    def __init__(self, batch_size: int, capacity: int, device: torch.device) -> None:
         from transformers import DynamicCache
 
         self.past = DynamicCache()
-        self.live = torch.zeros(batch_size, 0, dtype=torch.bool)  # [B, S]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B] live tokens per row
+        self.live = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] live tokens per row
         self.capacity = capacity
 
     def rewind(self, lengths: torch.Tensor) -> None:
@@ -63,12 +65,21 @@ class HFCache:
         self.live = self.live[rows]
         self.lengths = self.lengths[rows].clone()
 
+    def add_rows(self, other: HFCache) -> None:
+        """Admission between rounds: transformers' caches keep one length for all rows, which
+        this adapter does not re-pad; run admitted requests on our lean runtime instead."""
+        raise SpecDecodeError(
+            "run.add needs a model on our lean runtime (Llama checkpoints); the transformers "
+            "adapter runs a batch from start to end"
+        )
+
 
 class HFModel:
-    """A transformers causal LM: forward(tokens [B, T], cache) -> logits [B, T, V]."""
+    """A transformers causal LM: forward(tokens [B, T], cache, meta) -> (logits [B, T, V], hidden)."""
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         # transformers 5.x renamed past_key_values to cache; accept both
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -82,32 +93,41 @@ class HFModel:
         self.eos_token_ids: tuple[int, ...] = ()
 
     @staticmethod
-    def from_dir(path: Path, dtype: torch.dtype = torch.float32) -> HFModel:
+    def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFModel:
         from transformers import AutoModelForCausalLM
 
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-        return HFModel(model, dtype)
+        return HFModel(model.to(device), dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
     def new_cache(self, batch_size: int, capacity: int) -> HFCache:
-        return HFCache(batch_size, capacity)
+        return HFCache(batch_size, capacity, self.device)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, cache: HFCache) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: HFCache, meta: ForwardMeta = PLAIN
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Plain causal forwards only (trees, early exits and feature drafters need our runtime);
+        the hidden states returned are the model's last layer output."""
+        special = (meta.tree_mask, meta.positions, meta.num_layers, meta.inputs_embeds)
+        if any(x is not None for x in special) or meta.offset or not meta.advance:
+            raise SpecDecodeError("token trees, early exit and EAGLE need a Llama model on our lean runtime")
         B, T = tokens.shape
-        pos = cache.lengths.view(B, 1) + torch.arange(T).view(1, T)
-        live = torch.cat([cache.live, torch.ones(B, T, dtype=torch.bool)], dim=1)
+        pos = cache.lengths.view(B, 1) + torch.arange(T, device=tokens.device).view(1, T)
+        live = torch.cat([cache.live, torch.ones(B, T, dtype=torch.bool, device=tokens.device)], dim=1)
         out = self.model(
             input_ids=tokens,
             attention_mask=live.long(),
             position_ids=pos,
             use_cache=True,
+            output_hidden_states=meta.return_hidden,
             **{self._cache_arg: cache.past},
         )
         cache.past = getattr(out, "cache", None) or out.past_key_values
         cache.live = live
         cache.lengths = cache.lengths + T
-        return out.logits.to(self.dtype)
+        hidden = out.hidden_states[-1].to(self.dtype) if meta.return_hidden else None
+        return out.logits.to(self.dtype), hidden

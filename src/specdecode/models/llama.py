@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 from ..errors import SpecDecodeError
+from .base import PLAIN, ForwardMeta
 from .tokenizer import TextTokenizer
 
 
@@ -117,18 +118,26 @@ def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, residual
 
 
 class LlamaModel:
-    """A Llama checkpoint on our runtime: forward(tokens [B, T], cache) -> logits [B, T, V]."""
+    """A Llama checkpoint on our runtime: forward(tokens [B, T], cache, meta) -> (logits [B, T, V],
+    hidden [B, T, d] or None)."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.cfg = cfg
         self.dtype = dtype
+        self.device = torch.device(device)
         self.vocab_size = cfg.vocab_size
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype)
+            return weights[name].to(self.device, dtype)
 
         def opt(name: str) -> torch.Tensor | None:
-            return weights[name].to(dtype) if name in weights else None
+            return weights[name].to(self.device, dtype) if name in weights else None
 
         def cat_opt(names: list[str]) -> torch.Tensor | None:
             parts = [opt(n) for n in names]
@@ -178,10 +187,9 @@ class LlamaModel:
         self.max_positions: int | None = None  # RoPE: no hard limit
 
     @staticmethod
-    def from_dir(path: Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
         cfg_dict = json.loads((path / "config.json").read_text())
-        model = LlamaModel(LlamaConfig.from_dict(cfg_dict), _read_safetensors(path), dtype)
-        return model
+        return LlamaModel(LlamaConfig.from_dict(cfg_dict), _read_safetensors(path), dtype, device)
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
@@ -197,7 +205,9 @@ class LlamaModel:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype)
+        return KVCache(
+            c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device
+        )
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -223,41 +233,31 @@ class LlamaModel:
             # rotate_half(x) * sin == x.roll(D/2) * [-sin, sin]: the sign lives in the table
             sin = emb.sin()
             sin[:, : D // 2] *= -1
-            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
+            self._cos = emb.cos().to(self.device, self.dtype)
+            self._sin = sin.to(self.device, self.dtype)
             self._rope_len = n
 
     @torch.inference_mode()
     def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        *,
-        num_layers: int | None = None,
-        offset: int = 0,
-        positions: torch.Tensor | None = None,
-        tree_mask: torch.Tensor | None = None,
-        advance: bool = True,
-        return_hidden: bool = False,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Append tokens [B, T] at each row's cache length; return logits [B, T, V].
+        self, tokens: torch.Tensor, cache: KVCache, meta: ForwardMeta = PLAIN
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append tokens [B, T] at each row's cache length; return (logits [B, T, V], the
+        final-normed hidden states [B, T, hidden] if meta.return_hidden else None).
 
-        num_layers = m runs only the first m layers, then the final norm and LM head (an early
-        exit): it writes those layers' keys and values `offset` positions past each row's length
-        and leaves lengths alone, so a later full forward over the same tokens overwrites them.
-
-        Token trees: positions [B, T] are the RoPE positions (default: the cache slots), and
-        tree_mask [T, offset + T] says which of the slots past each row's length a new token may
-        attend to (every slot below the length is always visible). advance=False leaves lengths.
-        return_hidden: also return the final-normed hidden states [B, T, hidden] (the features
-        Medusa heads and EAGLE read). inputs_embeds [B, T, hidden] replaces the token embeddings
-        (EAGLE feeds fused features).
+        meta (ForwardMeta) covers the rest: an early exit (num_layers = m runs only the first m
+        layers, then the final norm and LM head; it writes those layers' keys and values
+        `offset` slots past each row's length and leaves lengths alone, so a later full forward
+        over the same tokens overwrites them), token trees (positions and tree_mask), drafts
+        written past the length (offset, advance=False), and EAGLE's fused inputs (inputs_embeds).
 
         The common case (every row at the same length, a plain causal chain) runs on slices
         with Python-int positions: no gathers, no index writes, and no mask at all for T = 1.
         """
+        positions, tree_mask, offset = meta.positions, meta.tree_mask, meta.offset
+        num_layers, inputs_embeds = meta.num_layers, meta.inputs_embeds
         c = self.cfg
         B, T = tokens.shape
+        dev = tokens.device
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
         layers = self.layers if num_layers is None else self.layers[:num_layers]
@@ -274,7 +274,11 @@ class LlamaModel:
             pos = None
             # query t sees keys 0..s+t; one causal block over the new tokens (T = 1: no mask)
             # additive (0 / -inf): SDPA would convert a bool mask in every layer
-            mask = None if T == 1 else torch.full((T, S), float("-inf"), dtype=self.dtype).triu_(s + 1)
+            mask = (
+                None
+                if T == 1
+                else torch.full((T, S), float("-inf"), dtype=self.dtype, device=dev).triu_(s + 1)
+            )
             if mask is not None and G > 1:
                 mask = mask.repeat(G, 1)
         else:
@@ -284,15 +288,17 @@ class LlamaModel:
             cos, sin = self._cos[rope_pos].unsqueeze(2), self._sin[rope_pos].unsqueeze(2)  # [B, T, 1, D]
             S = int(pos.max()) + 1
             if tree_mask is None:
-                allowed = torch.arange(S).view(1, 1, S) <= pos.view(B, T, 1)
+                allowed = torch.arange(S, device=dev).view(1, 1, S) <= pos.view(B, T, 1)
             else:
-                rel = torch.arange(S).view(1, S) - cache.lengths.view(B, 1)  # [B, S]
+                rel = torch.arange(S, device=dev).view(1, S) - cache.lengths.view(B, 1)  # [B, S]
                 W = tree_mask.shape[1]
                 block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
                 allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
-            blocked = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+            blocked = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
+                ~allowed, float("-inf")
+            )
             mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
-            rows = torch.arange(B).view(B, 1).expand(B, T)
+            rows = torch.arange(B, device=dev).view(B, 1).expand(B, T)
         x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
         d_eps = c.hidden_size * c.rms_norm_eps
@@ -323,9 +329,8 @@ class LlamaModel:
                 gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)
                 act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
             x = _linear(act, layer.w_down, layer.b_down, residual=x)
-        if num_layers is None and advance:
+        if num_layers is None and meta.advance:
             cache.advance(T)
         x = _rms_norm(x, self._final_norm_s, d_eps)
         logits = torch.mm(x, self._lm_head_t).view(B, T, -1)
-        x = x.view(B, T, -1)
-        return (logits, x) if return_hidden else logits
+        return logits, (x.view(B, T, -1) if meta.return_hidden else None)

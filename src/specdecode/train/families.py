@@ -8,9 +8,7 @@ The three-kingdoms shapes reproduce the lesson's parameter counts exactly (3,688
 from __future__ import annotations
 
 import math
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 
 def mlp_width(dim: int) -> int:
@@ -49,11 +47,6 @@ class Family:
     @property
     def target(self) -> ModelSpec:
         return self.models[0]
-
-    def default_corpus(self) -> Path:
-        if self.name == "python-code":
-            return Path(sysconfig.get_paths()["stdlib"])
-        return Path(__file__).resolve().parents[4] / "shared" / "corpora" / "three_kingdoms.txt"
 
 
 FAMILIES: dict[str, Family] = {

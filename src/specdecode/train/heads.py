@@ -28,7 +28,9 @@ def _target_and_tokenizer(target_dir: Path):
     from ..models.hf import quiet_transformers
 
     with quiet_transformers():
-        model = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        model = LlamaForCausalLM.from_pretrained(
+            str(target_dir), dtype=torch.float32, local_files_only=True
+        ).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     tok_file = target_dir / "tokenizer.json"

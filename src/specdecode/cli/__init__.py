@@ -1,0 +1,39 @@
+"""The `specdecode` command: one module per subcommand, each with register(sub) that adds its
+parser and sets func. Bad input: one line on stderr and exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import SpecDecodeError
+from . import bench, demo, generate, init_model, lab, model_card, plan, train, train_heads
+from .common import Parser
+
+COMMANDS = (generate, init_model, train, model_card, demo, train_heads, lab, plan, bench)
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="specdecode",
+        description="Exact speculative decoding: a drafter proposes k tokens, the target checks "
+        "them in one forward pass, and the output keeps the target's distribution.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecDecodeError as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

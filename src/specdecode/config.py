@@ -1,0 +1,62 @@
+"""One object for how a generator speculates: method, draft length, policy, tree, options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecDecodeError
+from .tree import TokenTree
+
+POLICIES = ("fixed", "heuristic", "confidence", "optimal")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """method: a registered drafter (`specdecode.drafters.DRAFTERS`) or None for target-only
+    decoding; k: draft tokens per round (the start for adaptive policies); policy: fixed,
+    heuristic, confidence or optimal; tree: a TokenTree or its spec ('3,2,1' or JSON choices),
+    verified in one forward (fixed policy only). Method options: exit_layer (early-exit),
+    ngram_max / ngram_min (ngram), heads (medusa / eagle: a directory or loaded heads).
+    Policy options: confidence_threshold, max_k (heuristic / optimal), cost_model (optimal: a
+    CostModel or a JSON file; default: measured once per generator on its first batch)."""
+
+    method: str | None = None
+    k: int = 4
+    policy: str = "fixed"
+    tree: TokenTree | str | None = None
+    exit_layer: int | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    heads: str | Path | Any | None = None
+    confidence_threshold: float = 0.4
+    max_k: int | None = None
+    cost_model: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, str):
+            object.__setattr__(self, "tree", TokenTree.parse(self.tree))
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise SpecDecodeError(f"k must be an integer >= 1, got {self.k!r}")
+        if self.policy not in POLICIES:
+            raise SpecDecodeError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0 < self.confidence_threshold < 1:
+            raise SpecDecodeError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
+        if self.max_k is not None and self.max_k < 1:
+            raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
+        if self.tree is not None:
+            if self.policy != "fixed":
+                raise SpecDecodeError("a token tree has a fixed shape; use --policy fixed with --tree")
+            object.__setattr__(self, "k", self.tree.depth)
+
+    @property
+    def max_draft(self) -> int:
+        """The most draft tokens one row can propose in a round (a tree: all its nodes)."""
+        if self.method is None:
+            return 0
+        if self.tree is not None:
+            return self.tree.size
+        if self.policy in ("heuristic", "optimal"):
+            return self.max_k or max(2 * self.k, 8)
+        return self.k
