@@ -1,5 +1,6 @@
 # `make test` builds .venv from scratch (CPU torch from the file on disk first, so pip
-# never pulls a CUDA build), runs ruff, then pytest.
+# never pulls a CUDA build) with every extra (lab, bench, train, hf) and the dev tools, runs
+# ruff, then pytest.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 $(BIN)/specdecode: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[all,dev]'
 	touch $@
 
 install: $(BIN)/specdecode

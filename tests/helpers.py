@@ -86,13 +86,13 @@ def tiny_hf_model(
 
 
 def two_token_joint(target, prompt: list[int]) -> np.ndarray:
-    """P(x1, x2 | prompt) at T = 1 from full forwards, flattened to [V * V] (x1 * V + x2)."""
+    """P(x1, x2 | prompt) at T = 1 from full forwards, flattened to [V * V] (x1 * V + x2); the
+    softmax in float64 whatever the model's dtype."""
     V = target.vocab_size
-    p1 = torch.softmax(
-        logits_of(target, torch.tensor([prompt]), target.new_cache(1, len(prompt) + 2))[0, -1], -1
-    )
+    first = logits_of(target, torch.tensor([prompt]), target.new_cache(1, len(prompt) + 2))[0, -1]
+    p1 = torch.softmax(first.double(), -1)
     seqs = torch.tensor([prompt + [x] for x in range(V)])
-    p2 = torch.softmax(logits_of(target, seqs, target.new_cache(V, len(prompt) + 2))[:, -1], -1)
+    p2 = torch.softmax(logits_of(target, seqs, target.new_cache(V, len(prompt) + 2))[:, -1].double(), -1)
     return (p1.view(V, 1) * p2).numpy().ravel()
 
 
@@ -102,3 +102,24 @@ def seeded(params, n: int) -> list:
     from dataclasses import replace
 
     return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def resample_from_p_after_rejection(monkeypatch) -> None:
+    """Negative control: the engine's chain verifier redraws a rejected position from the target
+    probs p instead of the residual norm(max(0, p - q)) (lesson 001's error)."""
+    import specdecode.verify as verify_mod
+    from specdecode.sampling import sample
+
+    real = verify_mod.verify_chain
+
+    def biased(draft_tokens, draft_probs, target_probs, uniforms, noise, draft_lengths=None):
+        v = real(draft_tokens, draft_probs, target_probs, uniforms, noise, draft_lengths)
+        B, k = draft_tokens.shape
+        rejected = v.accepted < v.draft_lengths
+        at = v.accepted.view(B, 1, 1).expand(B, 1, target_probs.shape[-1])
+        redraw = sample(target_probs.gather(1, at).squeeze(1), noise)
+        kept = v.tokens.gather(1, v.accepted.view(B, 1)).squeeze(1)
+        v.tokens.scatter_(1, v.accepted.view(B, 1), torch.where(rejected, redraw, kept).view(B, 1))
+        return v
+
+    monkeypatch.setattr(verify_mod, "verify_chain", biased)

@@ -22,7 +22,7 @@ from ..errors import SpecDecodeError
 from ..models import load, resolve
 from ..theory import expected_speedup
 from .prompts import SETS, prompts
-from .runners import OursRunner, Run, Runner, TransformersRunner, load_transformers
+from .runners import OursRunner, Run, Runner, TransformersRunner, load_transformers, synchronize
 
 FAMILIES = {"three-kingdoms": "three-kingdoms/draft-64", "python-code": "python-code/draft"}
 # (method, policy[, tree]) of ours; quick keeps one of each kind
@@ -64,6 +64,7 @@ class BenchConfig:
     transformers: bool = True
     seed: int = 0
     progress: bool = True
+    device: str = "cpu"
 
     @staticmethod
     def make(quick: bool = False, **overrides) -> BenchConfig:
@@ -109,8 +110,8 @@ def _ours(family: str, target, draft, cfg: BenchConfig) -> list[Runner]:
 
 
 def _transformers(family: str, cfg: BenchConfig) -> list[Runner]:
-    hf_target = load_transformers(resolve(f"{family}/target"))
-    hf_draft = load_transformers(resolve(FAMILIES[family]))
+    hf_target = load_transformers(resolve(f"{family}/target"), cfg.device)
+    hf_draft = load_transformers(resolve(FAMILIES[family]), cfg.device)
     defaults = {key: getattr(hf_draft.generation_config, key) for key in ASSISTANT_KEYS}
     k = cfg.k
     constant = {
@@ -158,18 +159,21 @@ def forward_costs(
     gen = torch.Generator().manual_seed(0)
     ns = widths or tuple(range(1, max_n + 1))
     cache = model.new_cache(batch, context + max(ns) + 1)
-    model.forward(torch.randint(0, model.vocab_size, (batch, context), generator=gen), cache)
-    toks = {n: torch.randint(0, model.vocab_size, (batch, n), generator=gen) for n in ns}
+    dev = model.device
+    model.forward(torch.randint(0, model.vocab_size, (batch, context), generator=gen).to(dev), cache)
+    toks = {n: torch.randint(0, model.vocab_size, (batch, n), generator=gen).to(dev) for n in ns}
     best = {n: float("inf") for n in toks}
     for n in toks:  # warm-up
         model.forward(toks[n], cache)
         cache.rewind(cache.lengths - n)
     for _ in range(repeats):
         for n, tok in toks.items():
+            synchronize(dev)
             t0 = time.perf_counter()
             for _ in range(calls):
                 model.forward(tok, cache)
                 cache.rewind(cache.lengths - n)
+            synchronize(dev)
             best[n] = min(best[n], (time.perf_counter() - t0) / calls)
     return best
 
@@ -344,8 +348,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     }
     plan = []
     for family in cfg.families:
-        target = load(f"{family}/target")
-        draft = load(FAMILIES[family])
+        target = load(f"{family}/target", device=cfg.device)
+        draft = load(FAMILIES[family], device=cfg.device)
         runners = _ours(family, target, draft, cfg)
         if cfg.transformers:
             runners = _transformers(family, cfg) + runners

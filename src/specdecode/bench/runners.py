@@ -99,7 +99,7 @@ class TransformersRunner(Runner):
             kw["prompt_lookup_num_tokens"] = self.settings["k"]
         torch.manual_seed(seed)
         self.calls = 0
-        inputs = torch.tensor([ids])
+        inputs = torch.tensor([ids], device=self.model.device)
         t0 = time.perf_counter()
         out = self.model.generate(inputs, **kw)
         seconds = time.perf_counter() - t0
@@ -107,11 +107,18 @@ class TransformersRunner(Runner):
         return Run(n, seconds, self.calls)
 
 
-def load_transformers(path: Path):
-    """A checkpoint through transformers, fp32, eval mode, no network."""
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued GPU work before reading a clock (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_transformers(path: Path, device: str = "cpu"):
+    """A checkpoint through transformers, fp32, eval mode, on `device`, no network."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
+    return model.to(device).eval()

@@ -116,6 +116,7 @@ def run_scaling(cfg: ScalingConfig) -> dict:
             for g in gens.values():  # warm-up
                 g.generate([text[:64]], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
             raw: dict = {"context": {}, "batch": {}}
+            per_batch: dict[int, SpeculativeGenerator] = {}
             for rep in range(cfg.repeats):
                 for L in cfg.contexts:
                     progress.update(task, description=f"scaling {family}: context {L}")
@@ -129,6 +130,10 @@ def run_scaling(cfg: ScalingConfig) -> dict:
                     C = cfg.batch_context
                     rows = [text[i * C : (i + 1) * C] for i in range(B)]  # B different prompts, C tokens each
                     for name, g in gens.items():
+                        if name == "draft (optimal)":  # its cost model is measured on this batch size
+                            g = per_batch.setdefault(
+                                B, SpeculativeGenerator(target, draft=draft, k=cfg.k, policy="optimal")
+                            )
                         raw["batch"].setdefault((B, name), []).append(
                             _decode_ms(g, rows, cfg.new_tokens, rep)
                         )

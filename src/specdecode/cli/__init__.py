@@ -10,6 +10,8 @@ from . import bench, demo, generate, init_model, lab, model_card, plan, train, t
 from .common import Parser
 
 COMMANDS = (generate, init_model, train, model_card, demo, train_heads, lab, plan, bench)
+# optional libraries and the extra that installs each
+EXTRAS = {"transformers": "hf", "matplotlib": "lab", "scipy": "lab", "jinja2": "lab", "rich": "lab"}
 
 
 def build_parser() -> Parser:
@@ -30,6 +32,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        root = (e.name or "").split(".")[0]
+        if root not in EXTRAS:
+            raise
+        print(
+            f"specdecode: error: `specdecode {args.command}` needs {root}; install it with "
+            f"pip install 'specdecode[{EXTRAS[root]}]' (or [all])",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

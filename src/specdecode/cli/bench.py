@@ -38,6 +38,7 @@ def register(sub) -> None:
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (models and caches)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(
         "--scaling", action="store_true", help="run the context-length and batch-size study instead"
@@ -47,13 +48,19 @@ def register(sub) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from ..bench import BenchConfig, run_bench, save
+    from ..models import resolve_device
 
     progress = not args.no_progress and sys.stderr.isatty()
     if args.scaling:
         from ..bench.scaling import ScalingConfig, run_scaling, save_scaling
 
-        scfg = ScalingConfig.make(quick=args.quick, families=tuple(args.family) if args.family else None,
-                                  k=args.k, seed=args.seed, progress=progress)
+        scfg = ScalingConfig.make(
+            quick=args.quick,
+            families=tuple(args.family) if args.family else None,
+            k=args.k,
+            seed=args.seed,
+            progress=progress,
+        )
         results = run_scaling(scfg)
         paths = save_scaling(results, Path(args.out))
     else:
@@ -68,6 +75,7 @@ def _bench(args: argparse.Namespace) -> int:
             transformers=not args.no_transformers,
             seed=args.seed,
             progress=progress,
+            device=str(resolve_device(args.device)),
         )
         results = run_bench(cfg)
         paths = save(results, Path(args.out))
@@ -77,5 +85,3 @@ def _bench(args: argparse.Namespace) -> int:
         print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0
-
-

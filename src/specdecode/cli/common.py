@@ -22,7 +22,6 @@ def numbers(text: str, flag: str, kind=float) -> list:
         raise SpecDecodeError(f"{flag} must be comma-separated numbers, got {text!r}") from None
 
 
-
 def show(result, args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -35,5 +34,3 @@ def show(result, args: argparse.Namespace) -> int:
         if args.plot:
             print(f"wrote {args.plot}", file=sys.stderr)
     return 0
-
-

@@ -118,5 +118,3 @@ def _lab(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
         options = {"k": args.k}
     return show(run_experiment(name, cfg, **options), args)
-
-

@@ -57,5 +57,3 @@ def _plan(args: argparse.Namespace) -> int:
         verify_tokens=args.verify_tokens,
     )
     return show(result, args)
-
-

@@ -1,0 +1,101 @@
+"""The target's distribution through the whole engine in the dtypes models run in (fp32, bf16,
+not only float64), and at a later position whose rounds cross boundaries (the 6th generated
+token with k = 4); each check with its negative control (the same check, same sample size,
+must reject the engine that redraws from p after a rejection)."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution, noisy_copy, resample_from_p_after_rejection, seeded, two_token_joint
+from specdecode import SamplingParams, SpeculativeGenerator, load
+from specdecode.models.base import logits_of
+from specdecode.models.init import init_model
+
+RUNS = 60_000
+PROMPT = [5, 7, 2]
+
+
+@pytest.fixture(scope="module")
+def pair16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v16x")
+    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
+    return t, noisy_copy(t, root / "d", noise=0.15, seed=6)
+
+
+def two_token_run(pair16, dtype) -> tuple[np.ndarray, np.ndarray, float]:
+    """(sampled pairs x1 * V + x2, the target's exact joint in that dtype, acceptance rate)."""
+    target, draft = (load(p, dtype=dtype) for p in pair16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=31, ignore_eos=True)
+    results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, seeded(params, RUNS))
+    V = target.vocab_size
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    joint = two_token_joint(target, PROMPT).astype(np.float64)
+    rate = sum(r.stats.accepted for r in results) / sum(r.stats.tested for r in results)
+    return pairs, joint / joint.sum(), rate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_token_joint_equals_target_in_the_model_dtype(pair16, dtype):
+    pairs, joint, rate = two_token_run(pair16, dtype)
+    ok, msg = check_distribution(pairs, joint)
+    assert ok, msg
+    assert 0.2 < rate < 0.95, rate  # acceptances and rejections both happened
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_token_check_in_the_model_dtype_catches_resampling_from_p(pair16, dtype, monkeypatch):
+    resample_from_p_after_rejection(monkeypatch)
+    pairs, joint, _ = two_token_run(pair16, dtype)
+    ok, msg = check_distribution(pairs, joint)
+    assert not ok, msg
+
+
+@pytest.fixture(scope="module")
+def pair8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v8")
+    t = init_model(root / "t", vocab=8, layers=2, dim=32, heads=2, seed=2, init_std=0.6)
+    d = noisy_copy(t, root / "d", noise=0.3, seed=3)
+    return load(t, dtype=torch.float64), load(d, dtype=torch.float64)
+
+
+def sixth_token_marginal(target, prompt: list[int]) -> np.ndarray:
+    """P(x6 | prompt) at T = 1: the next-token distribution after every 5-token continuation,
+    weighted by that continuation's probability (V^5 prefixes, one forward per length)."""
+    V = target.vocab_size
+    prefixes, weights = [list(prompt)], np.ones(1)
+    for _ in range(6):
+        x = torch.tensor(prefixes)
+        probs = torch.softmax(logits_of(target, x, target.new_cache(len(prefixes), x.shape[1]))[:, -1], -1)
+        probs = probs.numpy()
+        if len(prefixes[0]) == len(prompt) + 5:
+            return (weights[:, None] * probs).sum(0)
+        weights = (weights[:, None] * probs).ravel()
+        prefixes = [p + [v] for p in prefixes for v in range(V)]
+    raise AssertionError("unreachable")
+
+
+def sixth_token_run(pair8) -> tuple[np.ndarray, list]:
+    target, draft = pair8
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=77, ignore_eos=True)
+    results = SpeculativeGenerator(target, draft=draft, k=4).generate([PROMPT] * RUNS, seeded(params, RUNS))
+    return np.array([r.token_ids[5] for r in results]), results
+
+
+def test_sixth_token_marginal_with_k4_equals_target(pair8):
+    target, _ = pair8
+    sixth, results = sixth_token_run(pair8)
+    ok, msg = check_distribution(sixth, sixth_token_marginal(target, PROMPT))
+    assert ok, msg
+    # the 6th token was produced in a later round, by every way a token can be produced
+    assert all(r.stats.rounds >= 2 for r in results[:1000])
+    accepted = sum(r.stats.accepted for r in results)
+    assert 0 < accepted < sum(r.stats.tested for r in results)
+
+
+def test_sixth_token_check_catches_resampling_from_p(pair8, monkeypatch):
+    target, _ = pair8
+    resample_from_p_after_rejection(monkeypatch)
+    sixth, _ = sixth_token_run(pair8)
+    ok, msg = check_distribution(sixth, sixth_token_marginal(target, PROMPT))
+    assert not ok, msg

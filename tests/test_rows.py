@@ -1,0 +1,136 @@
+"""Per-request behaviour: a seeded row's tokens do not depend on its batch mates, a row admitted
+between rounds (run.add) decodes as if it ran alone, two runs on one generator do not disturb
+each other, and `import specdecode` stays slim."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator, load
+from specdecode.drafters.medusa import MedusaHeads
+from specdecode.policy import CostModel
+
+PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(8)]
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234, ignore_eos=True)
+WARPED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_new_tokens=20, seed=99, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+# drafting pays under this cost model, so the optimal policy drafts (its k still varies per row)
+CHEAP = CostModel({1: 0.01, 4: 0.01}, 0.0005)
+
+
+@pytest.fixture(scope="module")
+def models(pair_dir):
+    target, draft = pair_dir
+    return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
+
+
+def heads(d: int) -> MedusaHeads:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, d, d, generator=g, dtype=torch.float64) * 0.3 / d**0.5
+    return MedusaHeads(w, torch.randn(3, d, generator=g, dtype=torch.float64) * 0.3)
+
+
+CONFIGS = {
+    "draft-fixed": dict(method="draft"),
+    "draft-heuristic": dict(method="draft", policy="heuristic"),
+    "draft-confidence": dict(method="draft", policy="confidence", confidence_threshold=0.5),
+    "draft-optimal": dict(method="draft", policy="optimal", cost_model=CHEAP),
+    "draft-optimal-measured": dict(method="draft", policy="optimal"),
+    "ngram": dict(method="ngram"),
+    "early-exit": dict(method="early-exit", exit_layer=1),
+    "medusa": dict(method="medusa"),
+    "draft-tree": dict(method="draft", tree="2,2"),
+    "medusa-tree": dict(method="medusa", tree="2,1"),
+    "target-only": dict(),
+}
+
+
+def generator(models, name: str, k: int = 3) -> SpeculativeGenerator:
+    target, draft = models
+    kw = dict(CONFIGS[name])
+    if kw.get("method") == "medusa":
+        kw["heads"] = heads(target.cfg.hidden_size)
+    return SpeculativeGenerator(target, draft=draft if kw.get("method") == "draft" else None, k=k, **kw)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("params", [SAMPLED, WARPED], ids=["T1", "warped"])
+def test_seeded_row_gives_the_same_tokens_alone_and_among_seeded_and_unseeded_rows(models, name, params):
+    gen = generator(models, name)
+    alone = gen.generate([PROMPTS[3]], params)[0]
+    mates = [
+        SamplingParams(
+            temperature=1.0, max_new_tokens=5 + 3 * i, seed=None if i % 2 else 7 + i, ignore_eos=True
+        )
+        for i in range(7)
+    ]
+    prompts = PROMPTS[:3] + [PROMPTS[3]] + PROMPTS[4:]
+    batch = gen.generate(prompts, mates[:3] + [params] + mates[3:])
+    assert batch[3].token_ids == alone.token_ids
+    assert len(batch) == 8 and len({tuple(r.token_ids) for r in batch}) > 1
+    if name not in ("target-only", "draft-optimal-measured"):  # measured costs may turn drafting off
+        assert alone.stats.drafted > 0  # the row really drafted
+
+
+@pytest.mark.parametrize(
+    "name", ["draft-fixed", "draft-heuristic", "ngram", "early-exit", "medusa", "draft-tree"]
+)
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "T1"])
+def test_row_added_after_round_3_equals_the_same_row_run_alone(models, name, params):
+    gen = generator(models, name)
+    alone = gen.generate([PROMPTS[5]], params)[0]
+    others = SamplingParams(temperature=1.0, max_new_tokens=30, seed=5, ignore_eos=True)
+    run = gen.stream(PROMPTS[:2], others)
+    for i, _ in enumerate(run):
+        if i == 2:  # after round 3
+            row = run.add(PROMPTS[5], params)
+            break
+    assert row == 2
+    results = run.results()
+    assert len(results) == 3 and results[row].token_ids == alone.token_ids
+    assert results[row].stats.new_tokens == params.max_new_tokens
+
+
+def test_rows_added_after_every_row_finished_run_on(models):
+    gen = generator(models, "draft-fixed")
+    short = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    run = gen.stream([PROMPTS[1]], short)
+    assert sum(1 for _ in run) >= 1  # the only row finished: the iteration ended
+    row = run.add(PROMPTS[4], GREEDY)
+    results = run.results()
+    assert [len(r.token_ids) for r in results] == [2, 20]
+    assert results[row].token_ids == gen.generate([PROMPTS[4]], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("name", ["draft-fixed", "early-exit", "medusa", "draft-tree", "draft-optimal"])
+def test_two_interleaved_runs_on_one_generator_equal_each_run_alone(models, name):
+    gen = generator(models, name)
+    a_params = SamplingParams(temperature=1.0, max_new_tokens=18, seed=3, ignore_eos=True)
+    want_a = [r.token_ids for r in gen.generate(PROMPTS[:3], a_params)]
+    want_b = [r.token_ids for r in gen.generate(PROMPTS[5:7], GREEDY)]
+    run_a, run_b = gen.stream(PROMPTS[:3], a_params), gen.stream(PROMPTS[5:7], GREEDY)
+    live = [iter(run_a), iter(run_b)]
+    while live:  # one round of each in turn
+        for it in list(live):
+            if next(it, None) is None:
+                live.remove(it)
+    assert [r.token_ids for r in run_a.results()] == want_a
+    assert [r.token_ids for r in run_b.results()] == want_b
+
+
+def test_unseeded_rows_differ_and_seeded_runs_repeat(models):
+    gen = generator(models, "draft-fixed")
+    free = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
+    outs = [r.token_ids for r in gen.generate([PROMPTS[2]] * 4, free)]
+    assert len({tuple(o) for o in outs}) > 1  # fresh entropy per row
+    assert (
+        gen.generate([PROMPTS[2]], SAMPLED)[0].token_ids == gen.generate([PROMPTS[2]], SAMPLED)[0].token_ids
+    )
+
+
+def test_import_specdecode_does_not_load_plotting_stats_or_transformers():
+    heavy = "{'matplotlib', 'scipy', 'transformers', 'jinja2', 'rich'}"
+    code = f"import specdecode, sys; loaded = {heavy} & set(sys.modules); assert not loaded, loaded"
+    subprocess.run([sys.executable, "-c", code], check=True)
