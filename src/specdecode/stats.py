@@ -57,7 +57,7 @@ class GenerationStats:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     def to_dict(self) -> dict:
-        """The `stats` object of the CLI's --json output (design.md)."""
+        """The `stats` object of the CLI's --json output (docs/contract.md)."""
         return {
             "rounds": self.rounds,
             "target_forwards": self.target_forwards,
