@@ -177,7 +177,7 @@ def _generate(args: argparse.Namespace) -> int:
     results = events.results()
     if args.cost_model and cost_model is None and gen.cost_model is not None:
         gen.cost_model.save(args.cost_model)  # measured on this run: the next one reads it
-    stats = GenerationStats.merge([r.stats for r in results], results[0].stats.wall_s)
+    stats = GenerationStats.merge([r.stats for r in results], max(r.stats.wall_s for r in results))
     if args.json:
         out = {"text": results[0].text, "token_ids": results[0].token_ids}
         if n > 1:

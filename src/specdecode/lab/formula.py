@@ -25,7 +25,7 @@ def measure_pair(cfg: LabConfig, draft: str, k: int, new_tokens: int, seeds: int
         for s in range(seeds)
     ]
     results = gen.generate(prompts, params)
-    st = GenerationStats.merge([r.stats for r in results], results[0].stats.wall_s)
+    st = GenerationStats.merge([r.stats for r in results], max(r.stats.wall_s for r in results))
     alpha = st.acceptance_rate
     formula = expected_tokens_per_round(alpha, k)
     return {

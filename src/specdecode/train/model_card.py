@@ -49,7 +49,7 @@ def measure_acceptance(
     for name, temp in (("T=1", 1.0), ("T=0", 0.0)):
         params = SamplingParams(temperature=temp, max_new_tokens=new_tokens, seed=seed, ignore_eos=True)
         res = gen.generate(prompts, params)
-        st = GenerationStats.merge([r.stats for r in res], res[0].stats.wall_s)
+        st = GenerationStats.merge([r.stats for r in res], max(r.stats.wall_s for r in res))
         out[name] = {
             "acceptance_rate": st.acceptance_rate,
             "draft_acceptance_rate": st.draft_acceptance_rate,
@@ -192,7 +192,7 @@ def write_heads_card(
         for name, temp in (("T=1", 1.0), ("T=0", 0.0)):
             params = SamplingParams(temperature=temp, max_new_tokens=new_tokens, seed=0, ignore_eos=True)
             res = gen.generate(held, params)
-            st = GenerationStats.merge([r.stats for r in res], res[0].stats.wall_s)
+            st = GenerationStats.merge([r.stats for r in res], max(r.stats.wall_s for r in res))
             label = "chain, k = 4" if shape is None else f"tree {shape}"
             measured[f"{label} {name}"] = {
                 "tokens_per_forward": st.tokens_per_forward,
