@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specdecode.cli import main
 from specdecode.models.init import init_model
@@ -62,7 +63,10 @@ def run_cli(argv, capsys):
         (["--prompt", "ab", "--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
         (["--prompt", "ab", "--policy", "bogus"], "unknown --policy"),
         (["--prompt", "ab", "--method", "bogus"], "unknown method"),
-    ],
+        (["--prompt", "ab", "--device", "tpu"], "device"),
+        (["--prompt", "ab", "--cost-model", "c.json"], "--cost-model is read by --policy optimal only"),
+    ]
+    + ([] if torch.cuda.is_available() else [(["--prompt", "ab", "--device", "cuda"], "no CUDA GPU")]),
 )
 def test_bad_input_exits_2_with_one_line(dirs, capsys, extra, needle):
     code, out, err = run_cli(["generate", "--target", dirs["t"], "--draft", dirs["d"], *extra], capsys)
@@ -192,3 +196,22 @@ def test_init_model_then_generate_in_fresh_processes(tmp_path):
     assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     bad = subprocess.run(gen + ["--k", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_optimal_policy_cost_model_file_is_written_then_read(dirs, tmp_path, capsys):
+    cost = tmp_path / "cost.json"
+    argv = ["generate", "--target", dirs["t"], "--draft", dirs["d"], "--policy", "optimal", "--prompt", "ab"]
+    argv += ["--seed", "3", "--max-new-tokens", "16", "--ignore-eos", "--json", "--cost-model", str(cost)]
+    code, first, _ = run_cli(argv, capsys)
+    assert code == 0 and cost.exists()
+    written = cost.read_text()
+    code, second, _ = run_cli(argv, capsys)
+    assert code == 0 and cost.read_text() == written  # read, not re-measured
+    assert json.loads(first)["token_ids"] == json.loads(second)["token_ids"]
+
+
+def test_num_return_sequences_with_a_seed_gives_independent_samples(dirs, capsys):
+    argv = ["generate", "--target", dirs["t"], "--prompt", "ab", "--seed", "1", "--ignore-eos"]
+    code, out, _ = run_cli([*argv, "--num-return-sequences", "4", "--max-new-tokens", "12", "--json"], capsys)
+    samples = [s["token_ids"] for s in json.loads(out)["samples"]]
+    assert code == 0 and len({tuple(s) for s in samples}) > 1
