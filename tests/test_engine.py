@@ -172,13 +172,8 @@ PROMPT = [5, 9, 2]
 
 
 @pytest.fixture(scope="module")
-def small_vocab_models(tmp_path_factory):
-    from helpers import noisy_copy
-
-    root = tmp_path_factory.mktemp("v16")
-    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
-    d = noisy_copy(t, root / "d", noise=0.15, seed=6)
-    return load(t, dtype=torch.float64), load(d, dtype=torch.float64)
+def small_vocab_models(vocab16_dirs):
+    return tuple(load(p, dtype=torch.float64) for p in vocab16_dirs)
 
 
 def exact_joint(target, params: SamplingParams) -> np.ndarray:

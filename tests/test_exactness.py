@@ -16,16 +16,9 @@ RUNS = 60_000
 PROMPT = [5, 7, 2]
 
 
-@pytest.fixture(scope="module")
-def pair16(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v16x")
-    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
-    return t, noisy_copy(t, root / "d", noise=0.15, seed=6)
-
-
-def two_token_run(pair16, dtype) -> tuple[np.ndarray, np.ndarray, float]:
+def two_token_run(vocab16_dirs, dtype) -> tuple[np.ndarray, np.ndarray, float]:
     """(sampled pairs x1 * V + x2, the target's exact joint in that dtype, acceptance rate)."""
-    target, draft = (load(p, dtype=dtype) for p in pair16)
+    target, draft = (load(p, dtype=dtype) for p in vocab16_dirs)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=31, ignore_eos=True)
     results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, seeded(params, RUNS))
     V = target.vocab_size
@@ -36,17 +29,17 @@ def two_token_run(pair16, dtype) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_two_token_joint_equals_target_in_the_model_dtype(pair16, dtype):
-    pairs, joint, rate = two_token_run(pair16, dtype)
+def test_two_token_joint_equals_target_in_the_model_dtype(vocab16_dirs, dtype):
+    pairs, joint, rate = two_token_run(vocab16_dirs, dtype)
     ok, msg = check_distribution(pairs, joint)
     assert ok, msg
     assert 0.2 < rate < 0.95, rate  # acceptances and rejections both happened
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_two_token_check_in_the_model_dtype_catches_resampling_from_p(pair16, dtype, monkeypatch):
+def test_two_token_check_in_the_model_dtype_catches_resampling_from_p(vocab16_dirs, dtype, monkeypatch):
     resample_from_p_after_rejection(monkeypatch)
-    pairs, joint, _ = two_token_run(pair16, dtype)
+    pairs, joint, _ = two_token_run(vocab16_dirs, dtype)
     ok, msg = check_distribution(pairs, joint)
     assert not ok, msg
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy, seeded, two_token_joint
+from helpers import check_distribution, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.drafters import DraftContext
 from specdecode.drafters.ngram import lookup
@@ -66,11 +66,8 @@ RUNS = 60_000
 
 
 @pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v16m")
-    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
-    d = noisy_copy(t, root / "d", noise=0.15, seed=6)
-    return load(t, dtype=torch.float64), load(d, dtype=torch.float64)
+def small_vocab(vocab16_dirs):
+    return tuple(load(p, dtype=torch.float64) for p in vocab16_dirs)
 
 
 @pytest.mark.parametrize(
