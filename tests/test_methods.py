@@ -35,7 +35,7 @@ def target_greedy(models):
 
 # a cost model under which drafting pays (the measured one says it does not for these tiny pairs,
 # and the optimal policy then never drafts): the k it picks changes, exactness must not
-CHEAP = CostModel({1: 0.01, 4: 0.01}, 0.0005)
+CHEAP = CostModel({0: 0.01, 1: 0.0105, 4: 0.012})  # R(k) = 0.0005 k + 0.01 s
 
 
 def generator(models, method, policy, k=3, **kw):
@@ -189,8 +189,12 @@ def outcome(drafted: int, accepted: int, rows: int = 1) -> RoundOutcome:
 
 
 def optimal(k=4, max_k=None, target_s=(0.01, 0.01), draft_s=0.0004, **kw) -> OptimalPolicy:
-    """An optimal policy over one row with a given cost model: F(1), F(k + 1) and d."""
-    p = OptimalPolicy(k, CostModel({1: target_s[0], k + 1: target_s[1]}, draft_s), max_k, **kw)
+    """An optimal policy over one row whose rounds cost R(k) = k·d + F(k + 1): the target
+    forward F over k + 1 tokens (linear through F(1) and F(k + 1)) and d per draft token."""
+    f1, fk = target_s
+    forward = lambda n: f1 + (fk - f1) * (n - 1) / k  # noqa: E731
+    cost = CostModel({j: j * draft_s + forward(j + 1) for j in (0, 1, k)})
+    p = OptimalPolicy(k, cost, max_k, **kw)
     p.add_rows(1)
     return p
 
@@ -215,8 +219,8 @@ def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_canno
         cheap.observe(outcome(4, 3))  # alpha ~ 0.75, c = 0.04
     (k,) = cheap.next_k()
     alpha = OptimalPolicy.alpha(cheap.rows[0])
-    # verification as cheap as one token: exactly Theorem 3.8
-    assert k == optimal_k(alpha, cheap.cost.cost_ratio, 16) > 4
+    # verification as cheap as one token: exactly Theorem 3.8 with c = d / F(1) = 0.04
+    assert k == optimal_k(alpha, 0.0004 / 0.01, 16) > 4
     dear = optimal(draft_s=0.006, probe_every=4)
     for _ in range(50):
         dear.observe(outcome(4, 0))  # c = 0.6, alpha ~ 0.02
@@ -256,12 +260,13 @@ def test_optimal_policy_cost_model_is_measured_once_per_generator_and_saved_as_g
     assert gen.cost_model is None
     gen.generate(PROMPTS[:2], GREEDY)
     cost = gen.cost_model
-    assert cost is not None and cost.draft_s > 0 and set(cost.target_s) == {1, 4}
+    assert cost is not None and set(cost.round_s) == {0, 1, 3} and cost.batch_size == 2
+    assert cost.round_cost(0) < cost.round_cost(1) < cost.round_cost(3)  # drafting costs time
     gen.generate(PROMPTS[:3], GREEDY)
     assert gen.cost_model is cost  # not re-timed
     cost.save(tmp_path / "cost.json")
     again = generator(models, "draft", "optimal", cost_model=tmp_path / "cost.json").cost_model
-    assert again.target_s == cost.target_s and again.draft_s == cost.draft_s
+    assert again == cost
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SpecDecodeError, match="cost model"):
         generator(models, "draft", "optimal", cost_model=tmp_path / "bad.json")

@@ -17,7 +17,7 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234, ignore_e
 WARPED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_new_tokens=20, seed=99, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
 # drafting pays under this cost model, so the optimal policy drafts (its k still varies per row)
-CHEAP = CostModel({1: 0.01, 4: 0.01}, 0.0005)
+CHEAP = CostModel({0: 0.01, 1: 0.0105, 3: 0.0115})  # R(k) = 0.0005 k + 0.01 s
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ rows between rounds. The round is `Generation._round`; everything else here sets
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from .emit import GenerationResult, RoundEvent, RowOutput, emit
 from .errors import SpecDecodeError
 from .models.base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend
 from .models.llama import LlamaModel
-from .policy import CostModel, RoundOutcome, make_policy
+from .policy import CostModel, FixedPolicy, RoundOutcome, make_policy
 from .sampling import RowRandom, SamplingParams, Warp
 from .verify import Proposal, Verdict, verify_proposal
 
@@ -98,13 +99,15 @@ class Generation:
     """A running batch. Iterate it for one RoundEvent per round; between rounds add() admits a
     new row; results() runs it to the end and returns every row in admission order."""
 
-    def __init__(self, gen: SpeculativeGenerator, ids: list[list[int]], params: list[SamplingParams]) -> None:
+    def __init__(
+        self, gen: SpeculativeGenerator, ids: list[list[int]], params: list[SamplingParams], policy=None
+    ) -> None:
         self.gen, self.target, self.drafter = gen, gen.target, gen.drafter
         self.outputs: list[RowOutput] = []
         self.round_no = 0
         with torch.inference_mode():
             self.rows, self.cache, self.state = self._start(ids, params)
-            self.policy = gen.new_policy(self)
+            self.policy = policy or gen.new_policy(self)
         self.policy.add_rows(self.rows.size)
 
     # -- the round ------------------------------------------------------------------------
@@ -235,25 +238,29 @@ class Generation:
             self.drafter.select_rows(self.state, index)
         self.policy.select_rows(keep)
 
-    def measure_costs(self, k: int) -> CostModel:
-        """The optimal policy's cost model, timed on this batch: target forwards over 1 and k + 1
-        tokens per row, and a greedy k-token proposal; every one undone afterwards."""
-        rows, cache = self.rows, self.cache
-        lengths = cache.lengths.clone()
-        greedy = DraftContext(rows.tokens, rows.lengths, Warp.greedy(rows.size, rows.tokens.device), None)
-
-        def forward(n: int) -> None:
-            self.target.forward(rows.pending().expand(-1, n).contiguous(), cache)
-            cache.rewind(lengths)
-
-        def draft(n: int) -> int:
-            limits = torch.full((rows.size,), n, device=rows.tokens.device)
-            proposal = self.drafter.propose(self.state, greedy, limits)
-            self.drafter.commit(self.state, rows.lengths - 1)  # as after a round: pending not yet seen
-            return proposal.width
-
-        with torch.inference_mode():
-            return CostModel.measure(forward, draft, k, rows.size)
+    def measure_costs(self, k: int, max_rows: int = 64, rounds: int = 6) -> CostModel:
+        """The optimal policy's cost model, timed on this batch (its first `max_rows` rows):
+        whole rounds of scratch runs of the same prompts and sampling parameters (own seeds,
+        no stop rules), every row drafting 0, 1 and k tokens; the median of `rounds` rounds
+        after a warm-up one. Nothing of this run (caches, generators) is touched."""
+        rows = self.rows
+        n = min(rows.size, max_rows)
+        lengths = rows.lengths[:n].tolist()
+        prompts = [rows.tokens[b, : lengths[b]].tolist() for b in range(n)]
+        params = [
+            replace(p, seed=b, max_new_tokens=(rounds + 2) * (k + 1), stop=(), ignore_eos=True)
+            for b, p in enumerate(rows.params[:n])
+        ]
+        round_s = {}
+        for width in sorted({0, 1, k}):
+            scratch = Generation(self.gen, prompts, params, policy=FixedPolicy(width))
+            times = []
+            for _ in range(rounds + 1):
+                t0 = time.perf_counter()
+                next(scratch)
+                times.append(time.perf_counter() - t0)
+            round_s[width] = statistics.median(times[1:])
+        return CostModel(round_s, n)
 
 
 def _along(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
@@ -315,7 +322,8 @@ class SpeculativeGenerator:
 
     def new_policy(self, run: Generation):
         """A fresh draft-length policy for one run. The optimal policy's cost model is measured
-        on the first run's batch and then kept, so later runs choose k the same way."""
+        on the first run's batch (before its first round) and then kept, so later runs choose k
+        the same way."""
         if self.drafter is None:
             return make_policy(SpecConfig())  # fixed, never asked: nothing to draft
         if self.config.policy == "optimal" and self.cost_model is None:

@@ -11,9 +11,8 @@ once per generator (or given), never re-timed during a run.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import POLICIES, SpecConfig
@@ -84,35 +83,27 @@ class ConfidencePolicy(FixedPolicy):
 
 @dataclass
 class CostModel:
-    """Seconds of a target forward over n tokens per row (target_s[n], measured at a few widths
-    and read off the straight line through them) and of one draft token (draft_s)."""
+    """Seconds of one whole round (drafting, the target forward, verification, bookkeeping)
+    when every row drafts k tokens, measured at a few k (k = 0: a round with nothing drafted)
+    on a batch of `batch_size` rows; other k are read off the straight line through the
+    measured k >= 1."""
 
-    target_s: dict[int, float]
-    draft_s: float
-    batch_size: int = 1  # the batch the costs were measured on
-    notes: dict = field(default_factory=dict)
+    round_s: dict[int, float]
+    batch_size: int = 1
 
-    def forward_s(self, n: int) -> float:
-        """F(n): measured, or read off the least-squares line (never below the cheapest width)."""
-        if n in self.target_s:
-            return self.target_s[n]
-        xs, ys = list(self.target_s), list(self.target_s.values())
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-        return max(my + slope * (n - mx), min(ys))
-
-    @property
-    def cost_ratio(self) -> float:
-        """c = d / F(1): a draft token's cost relative to a one-token target forward."""
-        return self.draft_s / self.forward_s(1)
+    def round_cost(self, k: int) -> float:
+        """R(k): measured, or read off the least-squares line through the drafted widths (never
+        below the cheapest drafted one)."""
+        if k in self.round_s:
+            return self.round_s[k]
+        pts = [(x, y) for x, y in self.round_s.items() if x >= 1] or list(self.round_s.items())
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        var = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var) if var else 0.0
+        return max(my + slope * (k - mx), min(y for _, y in pts))
 
     def to_dict(self) -> dict:
-        return {
-            "target_s": {str(n): s for n, s in self.target_s.items()},
-            "draft_s": self.draft_s,
-            "batch_size": self.batch_size,
-        }
+        return {"round_s": {str(k): s for k, s in self.round_s.items()}, "batch_size": self.batch_size}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -121,44 +112,23 @@ class CostModel:
     def load(path: str | Path) -> CostModel:
         try:
             d = json.loads(Path(path).read_text())
-            return CostModel(
-                {int(n): float(s) for n, s in d["target_s"].items()},
-                float(d["draft_s"]),
-                int(d.get("batch_size", 1)),
-            )
+            round_s = {int(k): float(s) for k, s in d["round_s"].items()}
+            if 0 not in round_s or len(round_s) < 2 or min(round_s.values()) <= 0:
+                raise ValueError("needs positive round costs at k = 0 and at least one k >= 1")
+            return CostModel(round_s, int(d.get("batch_size", 1)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SpecDecodeError(
                 f"cost model {path}: unreadable ({e}); give a file written by --cost-model, or none"
             ) from None
 
-    @staticmethod
-    def measure(
-        forward: Callable[[int], None], draft: Callable[[int], int], k: int, batch_size: int, repeats: int = 3
-    ) -> CostModel:
-        """Time forward(n) (a target forward over n tokens per row, undone afterwards) at n = 1
-        and k + 1, and draft(k) (a greedy proposal, undone; returns the tokens it drafted);
-        the fastest of `repeats` runs after one warm-up each."""
-
-        def best(fn, arg):
-            fn(arg)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn(arg)
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        target_s = {n: best(forward, n) for n in sorted({1, k + 1})}
-        drafted = max(draft(k), 1)
-        return CostModel(target_s, best(draft, k) / drafted, batch_size)
-
 
 class OptimalPolicy(FixedPolicy):
-    """k per row from Leviathan et al.'s Theorem 3.8 with the verification cost measured:
-    maximise S(k) = τ(α, k) · F(1) / (k·d + F(k + 1)), τ = (1 − α^(k+1)) / (1 − α), where α is
-    the row's own acceptance rate so far and d, F come from the cost model. With F flat this is
-    the theorem's (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / F(1). When the batch the costs were
-    measured on makes verification compute-bound (F(k + 1) >> F(1)), it shortens k or stops.
+    """k per row from Leviathan et al.'s Theorem 3.8 with measured round costs: maximise
+    S(k) = τ(α, k) · R(0) / R(k), τ = (1 − α^(k+1)) / (1 − α), where α is the row's own
+    acceptance rate so far and R(k) the cost model's seconds of a round drafting k tokens.
+    With R(k) = k·d + T (a flat verification forward T, d per draft token, no overhead) this is
+    the theorem's (1 − α^(k+1)) / ((1 − α)(kc + 1)), c = d / T. When the batch the costs were
+    measured on makes verification compute-bound (R grows fast with k), it shortens k or stops.
 
     Each row explores first: drafts at k = 1 and the given k in turn until `min_tests` of its
     draft tokens were tested (so one early rejection does not decide). If then no k beats
@@ -193,11 +163,9 @@ class OptimalPolicy(FixedPolicy):
         return (row["accepted"] + 1) / (row["tested"] + 2)
 
     def speedups(self, alpha: float) -> list[float]:
-        """Expected speed-up over target-only decoding for k = 0..max_k (1.0 at k = 0)."""
-        a, d, F = min(alpha, 0.999999), self.cost.draft_s, self.cost.forward_s
-        return [1.0] + [
-            expected_tokens_per_round(a, k) * F(1) / (k * d + F(k + 1)) for k in range(1, self.max_k + 1)
-        ]
+        """Expected speed-up over rounds that draft nothing, for k = 0..max_k (1.0 at k = 0)."""
+        a, R = min(alpha, 0.999999), self.cost.round_cost
+        return [1.0] + [expected_tokens_per_round(a, k) * R(0) / R(k) for k in range(1, self.max_k + 1)]
 
     def _row_k(self, row: dict) -> int:
         if self.hopeless:
