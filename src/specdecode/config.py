@@ -12,6 +12,11 @@ from .tree import TokenTree
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
 
 
+def adaptive_max_k(k: int, max_k: int | None) -> int:
+    """The longest draft the heuristic and optimal policies may choose (default max(2k, 8))."""
+    return max_k or max(2 * k, 8)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """method: a registered drafter (`specdecode.drafters.DRAFTERS`) or None for target-only
@@ -58,5 +63,5 @@ class SpecConfig:
         if self.tree is not None:
             return self.tree.size
         if self.policy in ("heuristic", "optimal"):
-            return self.max_k or max(2 * self.k, 8)
+            return adaptive_max_k(self.k, self.max_k)
         return self.k

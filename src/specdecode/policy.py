@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import POLICIES, SpecConfig
+from .config import POLICIES, SpecConfig, adaptive_max_k
 from .errors import SpecDecodeError
 from .theory import expected_tokens_per_round
 
@@ -60,7 +60,7 @@ class HeuristicPolicy(FixedPolicy):
 
     def __init__(self, k: int, max_k: int | None = None) -> None:
         super().__init__(k)
-        self.max_k = max_k or max(2 * k, 8)
+        self.max_k = adaptive_max_k(k, max_k)
 
     def observe(self, outcome: RoundOutcome) -> None:
         for b, (d, a) in enumerate(zip(outcome.drafted, outcome.accepted)):
@@ -143,7 +143,7 @@ class OptimalPolicy(FixedPolicy):
     ) -> None:
         super().__init__(k)
         self.cost, self.min_tests, self.probe_every = cost, min_tests, probe_every
-        self.max_k = max_k or max(2 * k, 8)
+        self.max_k = adaptive_max_k(k, max_k)
         self.rows: list[dict] = []
         self.hopeless = max(self.speedups(1.0)) <= 1
 

@@ -9,7 +9,7 @@ rule and the greedy rule agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 import torch
@@ -92,15 +92,8 @@ class Warp:
         return Warp(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
 
     def extend(self, other: Warp) -> Warp:
-        return Warp(
-            *(
-                torch.cat([a, b])
-                for a, b in zip(
-                    (self.temperature, self.top_k, self.top_p, self.min_p),
-                    (other.temperature, other.top_k, other.top_p, other.min_p),
-                )
-            )
-        )
+        """These rows, then other's (admission)."""
+        return Warp(*(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(Warp)))
 
 
 def logits_to_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
