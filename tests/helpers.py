@@ -123,3 +123,76 @@ def resample_from_p_after_rejection(monkeypatch) -> None:
         return v
 
     monkeypatch.setattr(verify_mod, "verify_chain", biased)
+
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_tiny_gguf(root: Path, arch: str = "llama", embed_q8: bool = False, seed: int = 0) -> tuple[Path, Path]:
+    """A random Llama checkpoint (transformers layout) and the same weights as a GGUF written the
+    way llama.cpp's converter writes one: q/k rows permuted, GGUF tensor names, a byte-level BPE
+    vocabulary with two merges, ChatML control tokens, the 'smollm' pre-tokenizer and a ChatML
+    chat template. embed_q8 stores the embedding as Q8_0 (the rest F32). Returns (hf_dir, gguf)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = ["<|endoftext|>", *alphabet, "<|im_start|>", "<|im_end|>", "he", "hel"]
+    hf = init_model(root / "hf", vocab=len(tokens), layers=2, dim=32, heads=4, kv_heads=2, seed=seed,
+                    init_std=0.3)
+    w = {k: v.float().numpy() for k, v in load_file(str(hf / "model.safetensors")).items()}
+    heads, kv_heads = 4, 2
+
+    def permute(a: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf permutation
+        return a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    path = root / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges(["h e", "he l"])
+    writer.add_bos_token_id(len(alphabet) + 1)
+    writer.add_eos_token_id(len(alphabet) + 2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, a in w.items():
+        if name == "model.embed_tokens.weight":
+            if embed_q8:
+                q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor("token_embd.weight", q, raw_shape=q.shape,
+                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                continue
+            writer.add_tensor("token_embd.weight", a)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", a)
+        elif name.startswith("model.layers."):
+            _, _, i, *rest = name.split(".")
+            part = ".".join(rest[:-1])
+            if part == "self_attn.q_proj":
+                a = permute(a, heads)
+            elif part == "self_attn.k_proj":
+                a = permute(a, kv_heads)
+            writer.add_tensor(f"blk.{i}.{names[part]}.weight", np.ascontiguousarray(a))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf, path

@@ -19,11 +19,13 @@ from .emit import GenerationResult, RoundEvent, RowOutput, emit
 from .errors import SpecDecodeError
 from .models.base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend
 from .models.llama import LlamaModel
+from .models.tokenizer import is_messages
 from .policy import CostModel, FixedPolicy, RoundOutcome, make_policy
 from .sampling import RowRandom, SamplingParams, Warp
 from .verify import Proposal, Verdict, verify_proposal
 
-Prompt = str | Sequence[int]
+# text, token ids, or a chat: [{"role": "user", "content": ...}, ...] rendered by the target's template
+Prompt = str | Sequence[int] | Sequence[dict]
 
 __all__ = ["Generation", "GenerationResult", "RoundEvent", "Rows", "SpeculativeGenerator"]
 
@@ -338,6 +340,10 @@ class SpeculativeGenerator:
             if self.target.tokenizer is None:
                 raise SpecDecodeError(f"{self.target.path} has no tokenizer; pass token ids instead of text")
             ids = self.target.tokenizer.encode(prompt)
+        elif is_messages(prompt):
+            if self.target.tokenizer is None:
+                raise SpecDecodeError(f"{self.target.path} has no tokenizer; chat messages need one")
+            ids = self.target.tokenizer.encode_chat(prompt)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -350,7 +356,7 @@ class SpeculativeGenerator:
     def _prepare(
         self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None
     ) -> tuple[list[list[int]], list[SamplingParams]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) or is_messages(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
             raise SpecDecodeError("no prompts given")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 
 from ..errors import SpecDecodeError
-from . import bench, demo, generate, init_model, lab, model_card, plan, train, train_heads
+from . import bench, demo, generate, import_gguf, init_model, lab, model_card, plan, train, train_heads
 from .common import Parser
 
-COMMANDS = (generate, init_model, train, model_card, demo, train_heads, lab, plan, bench)
+COMMANDS = (generate, import_gguf, init_model, train, model_card, demo, train_heads, lab, plan, bench)
 # optional libraries and the extra that installs each
-EXTRAS = {"transformers": "hf", "matplotlib": "lab", "scipy": "lab", "jinja2": "lab", "rich": "lab"}
+EXTRAS = {"gguf": "gguf", "transformers": "hf", "matplotlib": "lab", "scipy": "lab", "jinja2": "lab", "rich": "lab"}
 
 
 def build_parser() -> Parser:

