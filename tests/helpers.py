@@ -127,11 +127,14 @@ def resample_from_p_after_rejection(monkeypatch) -> None:
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "'<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
-def write_tiny_gguf(root: Path, arch: str = "llama", embed_q8: bool = False, seed: int = 0) -> tuple[Path, Path]:
+def write_tiny_gguf(
+    root: Path, arch: str = "llama", embed_q8: bool = False, seed: int = 0
+) -> tuple[Path, Path]:
     """A random Llama checkpoint (transformers layout) and the same weights as a GGUF written the
     way llama.cpp's converter writes one: q/k rows permuted, GGUF tensor names, a byte-level BPE
     vocabulary with two merges, ChatML control tokens, the 'smollm' pre-tokenizer and a ChatML
@@ -141,8 +144,9 @@ def write_tiny_gguf(root: Path, arch: str = "llama", embed_q8: bool = False, see
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = ["<|endoftext|>", *alphabet, "<|im_start|>", "<|im_end|>", "he", "hel"]
-    hf = init_model(root / "hf", vocab=len(tokens), layers=2, dim=32, heads=4, kv_heads=2, seed=seed,
-                    init_std=0.3)
+    hf = init_model(
+        root / "hf", vocab=len(tokens), layers=2, dim=32, heads=4, kv_heads=2, seed=seed, init_std=0.3
+    )
     w = {k: v.float().numpy() for k, v in load_file(str(hf / "model.safetensors")).items()}
     heads, kv_heads = 4, 2
 
@@ -169,16 +173,24 @@ def write_tiny_gguf(root: Path, arch: str = "llama", embed_q8: bool = False, see
     writer.add_eos_token_id(len(alphabet) + 2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for name, a in w.items():
         if name == "model.embed_tokens.weight":
             if embed_q8:
                 q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-                writer.add_tensor("token_embd.weight", q, raw_shape=q.shape,
-                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(
+                    "token_embd.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+                )
                 continue
             writer.add_tensor("token_embd.weight", a)
         elif name == "model.norm.weight":

@@ -97,8 +97,9 @@ def test_greedy_on_an_imported_gguf_equals_transformers_generate(tiny, method):
     for chat in ([{"role": "user", "content": "hello hello hello"}], [{"role": "user", "content": "2+2=4"}]):
         ids = target.tokenizer.encode_chat(chat)
         (ours,) = gen.generate([ids], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
+        ref = hf.generate(
+            torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids) :].tolist()
         assert ours.token_ids == ref
 
 
@@ -133,8 +134,24 @@ def test_a_known_name_whose_package_is_missing_says_how_to_install_it(tmp_path, 
 def test_cli_import_gguf_then_generate_with_chat(tiny, tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["import-gguf", str(tiny[1]), "--out", str(out), "--no-progress"]) == 0
-    rc = main(["generate", "--target", str(out), "--chat", "--system", "be brief", "--prompt", "hello",
-               "--temperature", "0", "--max-new-tokens", "5", "--ignore-eos", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--target",
+            str(out),
+            "--chat",
+            "--system",
+            "be brief",
+            "--prompt",
+            "hello",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert len(res["token_ids"]) == 5

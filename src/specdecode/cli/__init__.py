@@ -11,7 +11,14 @@ from .common import Parser
 
 COMMANDS = (generate, import_gguf, init_model, train, model_card, demo, train_heads, lab, plan, bench)
 # optional libraries and the extra that installs each
-EXTRAS = {"gguf": "gguf", "transformers": "hf", "matplotlib": "lab", "scipy": "lab", "jinja2": "lab", "rich": "lab"}
+EXTRAS = {
+    "gguf": "gguf",
+    "transformers": "hf",
+    "matplotlib": "lab",
+    "scipy": "lab",
+    "jinja2": "lab",
+    "rich": "lab",
+}
 
 
 def build_parser() -> Parser:

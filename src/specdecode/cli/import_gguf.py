@@ -17,7 +17,9 @@ def register(sub) -> None:
         "and in transformers. Known names such as smollm2-135m are converted this way on first use.",
     )
     m.add_argument("file", metavar="FILE", help="a .gguf file")
-    m.add_argument("--out", required=True, metavar="DIR", help="output model directory (replaced if it exists)")
+    m.add_argument(
+        "--out", required=True, metavar="DIR", help="output model directory (replaced if it exists)"
+    )
     m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="stored weight type")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     m.set_defaults(func=_import_gguf)

@@ -105,7 +105,9 @@ def _zoo_dir(name: str, dtype: torch.dtype) -> Path:
     try:
         return import_gguf(gguf, out, dtype, progress=True)
     except OSError as e:
-        raise SpecDecodeError(f"cannot write {out}: {e.strerror}; set SPECDECODE_CACHE to a writable directory") from None
+        raise SpecDecodeError(
+            f"cannot write {out}: {e.strerror}; set SPECDECODE_CACHE to a writable directory"
+        ) from None
 
 
 def resolve(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:

@@ -197,7 +197,9 @@ def import_gguf(
         del weights
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         gen = {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}
-        (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({k: v for k, v in gen.items() if v is not None})
+        )
         _tokenizer_files(src, reader, tmp)
         (tmp / "SOURCE").write_text(f"converted by specdecode import-gguf from {src.resolve()}\n")
         tmp.chmod(0o755)

@@ -117,7 +117,9 @@ class TextTokenizer:
     def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered conversation. The template writes any BOS itself, so no special
         tokens are added (as transformers' apply_chat_template(tokenize=True) does)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """Tokens that end an assistant turn in this template (beyond the model's EOS)."""
@@ -150,7 +152,9 @@ def _compile(source: str):
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     try:
