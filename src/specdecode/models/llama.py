@@ -9,7 +9,8 @@ transformers.LlamaForCausalLM on the same checkpoint (tests/test_models.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from ..cache import KVCache
 from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
+from .linear import Linear
 from .tokenizer import TextTokenizer
 
 
@@ -67,39 +69,55 @@ class LlamaConfig:
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights. Matrices are stored transposed ([in, out], contiguous): on
-    this CPU torch.mm / addmm with that layout is faster than F.linear, most of all for the
-    few-row products of verification, and addmm adds the residual in the same call."""
+    """One decoder layer: its norms' weights and four projections (q|k|v and gate|up fused)."""
 
     attn_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [hidden, (H + 2*Hkv) * D]
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [H * D, hidden]
-    b_o: torch.Tensor | None
+    qkv: Linear  # hidden -> (H + 2*Hkv) * D
+    o: Linear  # H * D -> hidden
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [hidden, 2 * inter]
-    b_gate_up: torch.Tensor | None
-    w_gate: torch.Tensor | None  # [hidden, inter] each, when the fused matrix is split (see below)
-    w_up: torch.Tensor | None
-    w_down: torch.Tensor  # [inter, hidden]
-    b_down: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * inter
+    down: Linear  # inter -> hidden
 
     def __post_init__(self) -> None:
         root_d = self.attn_norm.shape[0] ** 0.5  # the norms' weights times √d (see _rms_norm)
         self.attn_norm_s = self.attn_norm * root_d
         self.mlp_norm_s = self.mlp_norm * root_d
 
+    def num_parameters(self) -> int:
+        return self.attn_norm.numel() + self.mlp_norm.numel() + sum(
+            p.numel for p in (self.qkv, self.o, self.gate_up, self.down)
+        )
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpecDecodeError(f"no *.safetensors weights in {path}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
+class _LazyWeights(Mapping):
+    """The tensors of a directory's *.safetensors files, each read from its file only when asked
+    for: the runtime converts and repacks one matrix at a time, so loading never holds the
+    whole checkpoint twice."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise SpecDecodeError(f"no *.safetensors weights in {path}")
+        self._where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                self._where.update(dict.fromkeys(fh.keys(), f))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        # opened per tensor and copied out: the file's memory map is released at once, so its
+        # pages never add up in the resident set (a shared tensor would keep all of it mapped)
+        with safe_open(str(self._where[name]), framework="pt") as fh:
+            return fh.get_tensor(name).clone()
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def _rms_norm(x: torch.Tensor, scaled_weight: torch.Tensor, d_eps: float) -> torch.Tensor:
@@ -109,14 +127,6 @@ def _rms_norm(x: torch.Tensor, scaled_weight: torch.Tensor, d_eps: float) -> tor
     return (x * scaled_weight).mul_(sum_sq.add_(d_eps).rsqrt_())
 
 
-def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None):
-    """x [N, in] @ w_t [in, out] (+ b) (+ residual) with as few kernel calls as possible."""
-    if residual is None:
-        return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
-    out = torch.addmm(residual, x, w_t)
-    return out if b is None else out + b
-
-
 class LlamaModel:
     """A Llama checkpoint on our runtime: forward(tokens [B, T], cache, meta) -> (logits [B, T, V],
     hidden [B, T, d] or None)."""
@@ -124,7 +134,7 @@ class LlamaModel:
     def __init__(
         self,
         cfg: LlamaConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -139,12 +149,12 @@ class LlamaModel:
         def opt(name: str) -> torch.Tensor | None:
             return weights[name].to(self.device, dtype) if name in weights else None
 
+        def cat(names: list[str]) -> torch.Tensor:
+            return torch.cat([w(n) for n in names])
+
         def cat_opt(names: list[str]) -> torch.Tensor | None:
             parts = [opt(n) for n in names]
             return torch.cat(parts) if all(p is not None for p in parts) else None
-
-        def t(x: torch.Tensor) -> torch.Tensor:
-            return x.t().contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
@@ -153,28 +163,19 @@ class LlamaModel:
             self.lm_head = w("lm_head.weight")
         else:
             self.lm_head = self.embed
-        # MKL on this CPU multiplies a few rows by a fused gate|up matrix over ~2 MB far slower than
-        # by its two halves (python-code at 5 rows: 46 µs vs 2 x 14), so big ones run as two matmuls
-        item = torch.empty(0, dtype=dtype).element_size()
-        split_mlp = 2 * cfg.intermediate_size * cfg.hidden_size * item > 2_000_000 and not cfg.mlp_bias
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    w_qkv=t(torch.cat([w(n + ".weight") for n in qkv])),
-                    b_qkv=cat_opt([n + ".bias" for n in qkv]),
-                    w_o=t(w(p + "self_attn.o_proj.weight")),
-                    b_o=opt(p + "self_attn.o_proj.bias"),
+                    qkv=Linear(cat([n + ".weight" for n in qkv]), cat_opt([n + ".bias" for n in qkv])),
+                    o=Linear(w(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    w_gate_up=t(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                    b_gate_up=cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]),
-                    w_gate=t(w(p + "mlp.gate_proj.weight")) if split_mlp else None,
-                    w_up=t(w(p + "mlp.up_proj.weight")) if split_mlp else None,
-                    w_down=t(w(p + "mlp.down_proj.weight")),
-                    b_down=opt(p + "mlp.down_proj.bias"),
+                    gate_up=Linear(cat([n + ".weight" for n in mlp]), cat_opt([n + ".bias" for n in mlp])),
+                    down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias")),
                 )
             )
         # RoPE tables, computed in float64 and cast once; grown on demand
@@ -189,19 +190,13 @@ class LlamaModel:
     @staticmethod
     def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
         cfg_dict = json.loads((path / "config.json").read_text())
-        return LlamaModel(LlamaConfig.from_dict(cfg_dict), _read_safetensors(path), dtype, device)
+        return LlamaModel(LlamaConfig.from_dict(cfg_dict), _LazyWeights(path), dtype, device)
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
         if self.lm_head is not self.embed:
             n += self.lm_head.numel()
-        for layer in self.layers:
-            n += sum(
-                getattr(layer, f.name).numel()
-                for f in fields(layer)
-                if getattr(layer, f.name) is not None and f.name not in ("w_gate", "w_up")
-            )
-        return n
+        return n + sum(layer.num_parameters() for layer in self.layers)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         c = self.cfg
@@ -217,11 +212,15 @@ class LlamaModel:
     @lm_head.setter
     def lm_head(self, weight: torch.Tensor) -> None:
         self._lm_head = weight
-        self._lm_head_t = weight.t().contiguous()  # [hidden, V] for torch.mm
+        # the projection keeps its own (blocked) copy on CPU; a plain one (the embedding, when
+        # tied) stays for lookups and for drafters that read `lm_head`
+        self._head = Linear(weight.clone() if weight.device.type == "cpu" else weight)
+        if self._head.layout == "linear":  # no second copy where F.linear takes the plain one
+            self._head = Linear(weight)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [..., hidden] -> logits [..., V]."""
-        return torch.mm(x.reshape(-1, x.shape[-1]), self._lm_head_t).view(*x.shape[:-1], -1)
+        return self._head(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def _rope_tables(self, need: int) -> None:
         if need > self._rope_len:
@@ -304,7 +303,7 @@ class LlamaModel:
         d_eps = c.hidden_size * c.rms_norm_eps
         for i, layer in enumerate(layers):
             h = _rms_norm(x, layer.attn_norm_s, d_eps)
-            qkv = _linear(h, layer.w_qkv, layer.b_qkv).view(B, T, H + 2 * Hkv, D)
+            qkv = layer.qkv(h).view(B, T, H + 2 * Hkv, D)
             qk = qkv[:, :, : H + Hkv]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
@@ -321,16 +320,13 @@ class LlamaModel:
             q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-            x = _linear(attn, layer.w_o, layer.b_o, residual=x)
+            x = layer.o(attn, residual=x)
             h = _rms_norm(x, layer.mlp_norm_s, d_eps)
-            if layer.w_gate is not None:
-                act = F.silu(torch.mm(h, layer.w_gate)).mul_(torch.mm(h, layer.w_up))
-            else:
-                gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)
-                act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
-            x = _linear(act, layer.w_down, layer.b_down, residual=x)
+            gate_up = layer.gate_up(h)
+            act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
+            x = layer.down(act, residual=x)
         if num_layers is None and meta.advance:
             cache.advance(T)
         x = _rms_norm(x, self._final_norm_s, d_eps)
-        logits = torch.mm(x, self._lm_head_t).view(B, T, -1)
+        logits = self._head(x).view(B, T, -1)
         return logits, (x.view(B, T, -1) if meta.return_hidden else None)
