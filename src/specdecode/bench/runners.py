@@ -30,6 +30,7 @@ class Run:
     accepted: int = 0
     draft_s: float = 0.0
     target_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)  # what was generated (greedy identity checks)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class OursRunner(Runner):
             st.accepted,
             st.draft_s,
             st.target_s,
+            list(res.token_ids),
         )
 
 
@@ -104,7 +106,7 @@ class TransformersRunner(Runner):
         out = self.model.generate(inputs, **kw)
         seconds = time.perf_counter() - t0
         n = out.shape[1] - inputs.shape[1]
-        return Run(n, seconds, self.calls)
+        return Run(n, seconds, self.calls, token_ids=out[0, inputs.shape[1] :].tolist())
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -113,12 +115,36 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_transformers(path: Path, device: str = "cpu"):
-    """A checkpoint through transformers, fp32, eval mode, on `device`, no network."""
+def load_transformers(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A checkpoint through transformers, in `dtype`, eval mode, on `device`, no network."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.to(device).eval()
+
+
+class LlamaCppRunner(Runner):
+    """llama.cpp (llama-cpp-python) on a GGUF file: an optional peer, used only when
+    `llama_cpp` is importable. Greedy only; it runs the GGUF's own quantization."""
+
+    def __init__(self, gguf: Path, threads: int, context: int) -> None:
+        import llama_cpp
+
+        super().__init__(f"llama.cpp ({gguf.name})", "llama.cpp", "generate", "-", {"threads": threads})
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
+
+    def run(self, ids: list[int], temperature: float, max_new: int, seed: int) -> Run:
+        self.llm.reset()
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= max_new:
+                break
+        seconds = time.perf_counter() - t0
+        return Run(len(out), seconds, len(out), token_ids=out)

@@ -11,8 +11,16 @@ from pathlib import Path
 def register(sub) -> None:
     b = sub.add_parser(
         "bench",
-        help="benchmark our engine against Hugging Face transformers on the bundled models",
-        description="Time transformers' generate, assisted generation (our draft, same k, and its defaults) "
+        help="benchmark our engine against transformers (and llama.cpp) on any model or the bundled ones",
+        description="With --target MODEL: time our target-only decoding and --method (or --draft) against "
+        "transformers' generate, prompt lookup and (with --draft) assisted generation on the same checkpoint "
+        "and --dtype, and llama.cpp when llama-cpp-python is installed, per prompt category of --prompts "
+        "(spec-bench: Spec-Bench's mt_bench, translation, summarization, qa, math_reasoning, rag), batch 1; "
+        "reports tokens/s, tokens per target forward (tau), speed-ups, greedy identity with transformers, "
+        "the verification cost T(k+1)/T(1), the memory floor and the fraction of it reached; writes "
+        "model-bench.json and model-bench.md to --out. "
+        "Without --target: the bundled families. Time transformers' generate, assisted generation "
+        "(our draft, same k, and its defaults) "
         "and prompt lookup against our target-only decoding and every drafting method and policy, on both "
         "bundled families and their prompt sets (prose or code, plus an edit/repeat set), greedy and T = 1, "
         "batch 1, in one process with interleaved repeats after a warm-up. Reports tokens/s (median, "
@@ -33,8 +41,28 @@ def register(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 64, quick 48)")
     b.add_argument("--repeats", type=int, help="interleaved repeats (default 3)")
     b.add_argument(
-        "--prompts", type=int, dest="prompts_per_set", help="prompts per set, 1..4 (default 4, quick 2)"
+        "--prompts",
+        metavar="SOURCE",
+        help='with --target: spec-bench (default) or a JSONL file of {"turns"|"prompt"|"text", '
+        '"category"}; without: prompts per bundled set, 1..4 (default 4, quick 2)',
     )
+    t = b.add_argument_group("any model (--target)")
+    t.add_argument(
+        "--target", metavar="MODEL", help="known name (smollm2-135m), bundled name or model directory"
+    )
+    t.add_argument("--draft", metavar="MODEL", help="draft model (method draft; adds transformers assisted)")
+    t.add_argument("--method", help="drafting method: draft, ngram, early-exit, medusa, eagle")
+    t.add_argument("--heads", metavar="DIR", help="medusa / eagle drafter directory")
+    t.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
+    t.add_argument(
+        "--category", action="append", help="only these categories (repeatable; default all of --prompts)"
+    )
+    t.add_argument("--limit", type=int, help="prompts per category (default all; --quick 2)")
+    t.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    t.add_argument(
+        "--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="weight type (default fp32)"
+    )
+    t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when it is installed")
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--seed", type=int, default=0)
@@ -48,9 +76,25 @@ def register(sub) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from ..bench import BenchConfig, run_bench, save
+    from ..errors import SpecDecodeError
     from ..models import resolve_device
 
     progress = not args.no_progress and sys.stderr.isatty()
+    if args.target:
+        if args.scaling or args.family:
+            raise SpecDecodeError("--target benchmarks one model; drop --scaling / --family")
+        return _bench_model(args, progress)
+    for flag in ("draft", "method", "heads", "category", "limit", "chat"):
+        if getattr(args, flag):
+            raise SpecDecodeError(f"--{flag} needs --target MODEL")
+    prompts_per_set = None
+    if args.prompts is not None:
+        try:
+            prompts_per_set = int(args.prompts)
+        except ValueError:
+            raise SpecDecodeError(
+                f"--prompts {args.prompts}: without --target it is a number of prompts per set (1..4)"
+            ) from None
     if args.scaling:
         from ..bench.scaling import ScalingConfig, run_scaling, save_scaling
 
@@ -70,7 +114,7 @@ def _bench(args: argparse.Namespace) -> int:
             k=args.k,
             max_new_tokens=args.max_new_tokens,
             repeats=args.repeats,
-            prompts_per_set=args.prompts_per_set,
+            prompts_per_set=prompts_per_set,
             temperatures=tuple(args.temperature) if args.temperature else None,
             transformers=not args.no_transformers,
             seed=args.seed,
@@ -84,4 +128,45 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0
+
+
+def _bench_model(args: argparse.Namespace, progress: bool) -> int:
+    from ..bench.model_bench import ModelBenchConfig, markdown, run_model_bench, save_model_bench
+    from ..models import resolve_device
+
+    temps = args.temperature or [0.0]
+    if len(temps) > 1:
+        from ..errors import SpecDecodeError
+
+        raise SpecDecodeError("with --target give one --temperature")
+    cfg = ModelBenchConfig.make(
+        quick=args.quick,
+        target=args.target,
+        draft=args.draft,
+        method=args.method,
+        heads=args.heads,
+        k=args.k,
+        policy=args.policy,
+        prompts=args.prompts or "spec-bench",
+        categories=tuple(args.category or ()),
+        per_category=args.limit,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=temps[0],
+        dtype=args.dtype,
+        device=str(resolve_device(args.device)),
+        transformers=not args.no_transformers,
+        llama_cpp=not args.no_llama_cpp,
+        seed=args.seed,
+        progress=progress,
+    )
+    log = lambda msg: print(msg, file=sys.stderr)
+    results = run_model_bench(cfg, log=log)
+    paths = save_model_bench(results, Path(args.out))
+    if args.json:
+        print(json.dumps(results, ensure_ascii=False, default=float))
+    else:
+        print(markdown(results))
+    log("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

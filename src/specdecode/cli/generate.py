@@ -129,8 +129,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.system is not None and not args.chat:
         raise SpecDecodeError("--system needs --chat")
+    import warnings
+
     import torch
 
+    from ..drafters.early_exit import UntrainedExitWarning
+
+    warnings.simplefilter("ignore", UntrainedExitWarning)  # printed below, with the measured acceptance
     device, dtype = resolve_device(args.device), getattr(torch, DTYPES[args.dtype])
     resolve(args.target, dtype)
     if args.draft:
@@ -151,7 +156,7 @@ def _generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         confidence_threshold=args.confidence_threshold,
         tree=args.tree,
-        heads=_heads_dir(args) if args.method in ("medusa", "eagle") else None,
+        heads=heads_dir(args.target, args.method, args.heads) if args.method in ("medusa", "eagle") else None,
         cost_model=cost_model,
     )
     n = args.num_return_sequences
@@ -192,6 +197,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.cost_model and cost_model is None and gen.cost_model is not None:
         gen.cost_model.save(args.cost_model)  # measured on this run: the next one reads it
     stats = GenerationStats.merge([r.stats for r in results], max(r.stats.wall_s for r in results))
+    advice = gen.drafter.advice if gen.drafter is not None else None
+    if advice:
+        measured = (
+            f"acceptance on this run {stats.acceptance_rate:.3f}" if stats.drafted else "nothing drafted"
+        )
+        print(f"specdecode: warning: {advice} ({measured})", file=sys.stderr)
     if args.json:
         out = {"text": results[0].text, "token_ids": results[0].token_ids}
         if n > 1:
@@ -216,13 +227,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _heads_dir(args: argparse.Namespace) -> Path:
-    from ..models import resolve
+def heads_dir(target: str, method: str, heads: str | None) -> Path:
+    """--heads, or the drafter bundled for the target (models/<family>/<method>, or
+    models/<name>/<method> for a known name such as smollm2-135m)."""
+    from ..models import ZOO, models_dir, resolve
 
-    if args.heads:
-        return Path(args.heads)
-    bundled = resolve(args.target).parent / args.method
+    if heads:
+        return Path(heads)
+    bundled = (models_dir() / target if target in ZOO else resolve(target).parent) / method
     if not (bundled / "config.json").exists():
-        what = "Medusa heads" if args.method == "medusa" else "EAGLE drafter"
-        raise SpecDecodeError(f"no {what} for {args.target}; pass --heads DIR (see train-heads)")
+        what = "Medusa heads" if method == "medusa" else "EAGLE drafter"
+        raise SpecDecodeError(f"no {what} for {target}; pass --heads DIR (see train-heads)")
     return bundled

@@ -52,12 +52,15 @@ class Drafter:
     target's final hidden states of every committed token to observe()), `supports_tree`
     (propose_tree is implemented), `lean_only` (it reads our runtime's internals). `model` is a
     separate draft model, if the method has one (its position limit is checked by the engine).
+    `advice` is a warning for the user when this drafter is unlikely to pay (the CLI prints it
+    with the measured acceptance).
     """
 
     name: ClassVar[str] = ""
     requires_hidden: ClassVar[bool] = False
     supports_tree: ClassVar[bool] = False
     model: CausalLM | None = None
+    advice: str | None = None
 
     @classmethod
     def create(cls, target: CausalLM, draft: CausalLM | None, config: SpecConfig) -> Drafter:

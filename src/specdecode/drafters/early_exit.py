@@ -5,6 +5,10 @@ forward over the same tokens overwrites those entries with identical values."""
 
 from __future__ import annotations
 
+import json
+import warnings
+from pathlib import Path
+
 import torch
 
 from ..errors import SpecDecodeError
@@ -12,6 +16,23 @@ from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaModel
 from ..verify import Proposal
 from .base import DraftChain, DraftContext, Drafter
+
+
+class UntrainedExitWarning(UserWarning):
+    """Early exit from a layer the model was not trained to draft from."""
+
+
+def exit_layer_trained(target, m: int) -> bool:
+    """Whether the target's training.json (written by `specdecode train --early-exit-layer`)
+    says layer m was trained to predict the next token."""
+    meta = Path(getattr(target, "path", "")) / "training.json"
+    if not meta.is_file():
+        return False
+    try:
+        data = json.loads(meta.read_text())
+    except json.JSONDecodeError:
+        return False
+    return (data.get("config") or {}).get("early_exit_layer", data.get("early_exit_layer")) == m
 
 
 class EarlyExitDrafter(Drafter):
@@ -27,6 +48,15 @@ class EarlyExitDrafter(Drafter):
         if not 1 <= m < L:
             raise SpecDecodeError(f"exit layer must be in 1..{L - 1} for a {L}-layer target, got {m}")
         self.target, self.exit_layer = target, m
+        self.trained = exit_layer_trained(target, m)
+        if not self.trained:
+            self.advice = (
+                f"early exit at layer {m} of {L}: {target.name or target.path} was not trained to draft from "
+                "that layer (no training.json marks it), so its drafts are rarely accepted and this runs "
+                "slower than target-only; use --policy optimal (it stops drafting where drafting does not "
+                "pay) or another method (ngram, draft)"
+            )
+            warnings.warn(self.advice, UntrainedExitWarning, stacklevel=3)
 
     @classmethod
     def create(cls, target, draft, config) -> EarlyExitDrafter:

@@ -84,8 +84,10 @@ class _Layer:
         self.mlp_norm_s = self.mlp_norm * root_d
 
     def num_parameters(self) -> int:
-        return self.attn_norm.numel() + self.mlp_norm.numel() + sum(
-            p.numel for p in (self.qkv, self.o, self.gate_up, self.down)
+        return (
+            self.attn_norm.numel()
+            + self.mlp_norm.numel()
+            + sum(p.numel for p in (self.qkv, self.o, self.gate_up, self.down))
         )
 
 

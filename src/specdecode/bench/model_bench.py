@@ -1,0 +1,336 @@
+"""`specdecode bench --target MODEL`: any model, per prompt category (Spec-Bench's or a file's).
+
+One process, batch 1: our target-only decoding, our drafting method, transformers' generate
+and prompt lookup (and assisted generation with --draft) on the same checkpoint and dtype, and
+llama.cpp when llama-cpp-python is importable and the model came from a GGUF. Each prompt is
+run by every configuration in turn (the order rotates from prompt to prompt, so the machine's
+load falls on all alike) after one warm-up run each. Per category: tokens/s, tokens per target
+forward (tau), the speed-ups, and whether greedy output equals transformers generate token for
+token. The runtime section has the target's verification cost T(k+1)/T(1), the memory floor
+(weight bytes per token over this machine's measured read bandwidth) and the resident memory.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine import SpeculativeGenerator
+from ..errors import SpecDecodeError
+from ..models import ZOO, load, resolve
+from ..progress import bar
+from .runners import LlamaCppRunner, OursRunner, Run, Runner, TransformersRunner, load_transformers
+
+SPEC_BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "prompts" / "spec-bench" / "questions.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def category_of(raw: str) -> str:
+    """Spec-Bench's reporting category: the eight MT-bench ones are one, 'mt_bench'."""
+    return "mt_bench" if raw in MT_BENCH else raw
+
+
+def read_prompts(source: str) -> list[dict]:
+    """[{"id", "category", "text"}] from 'spec-bench' or a JSONL file. Each line: {"turns": [...]}
+    (first turn used), {"prompt": ...} or {"text": ...}, with an optional "category"."""
+    path = SPEC_BENCH if source == "spec-bench" else Path(source)
+    if not path.is_file():
+        raise SpecDecodeError(f"--prompts {source}: no such file; pass spec-bench or a .jsonl file")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"{path}:{n} is not JSON ({e.msg})") from None
+        text = (row.get("turns") or [None])[0] if isinstance(row, dict) else None
+        text = text or (row.get("prompt") or row.get("text") if isinstance(row, dict) else None)
+        if not isinstance(text, str) or not text:
+            raise SpecDecodeError(f'{path}:{n} has no prompt; give "turns", "prompt" or "text"')
+        cat = category_of(str(row.get("category", "all")))
+        out.append({"id": row.get("question_id", row.get("id", n)), "category": cat, "text": text})
+    if not out:
+        raise SpecDecodeError(f"{path} holds no prompts")
+    return out
+
+
+@dataclass
+class ModelBenchConfig:
+    target: str
+    draft: str | None = None
+    method: str | None = None
+    heads: str | None = None
+    k: int = 4
+    policy: str = "fixed"
+    prompts: str = "spec-bench"
+    categories: tuple[str, ...] = ()
+    per_category: int = 0  # 0 = every prompt
+    chat: bool = False
+    quick: bool = False
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    dtype: str = "fp32"
+    device: str = "cpu"
+    transformers: bool = True
+    llama_cpp: bool = True
+    seed: int = 0
+    progress: bool = True
+
+    @staticmethod
+    def make(quick: bool = False, **overrides) -> ModelBenchConfig:
+        base = {"quick": quick}
+        if quick:
+            base.update(per_category=2, max_new_tokens=64)
+        cfg = ModelBenchConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+        if cfg.k < 1:
+            raise SpecDecodeError(f"--k must be >= 1, got {cfg.k}")
+        if cfg.max_new_tokens < 4:
+            raise SpecDecodeError(f"--max-new-tokens must be >= 4 for a benchmark, got {cfg.max_new_tokens}")
+        if cfg.temperature < 0:
+            raise SpecDecodeError(f"--temperature must be >= 0, got {cfg.temperature}")
+        if cfg.method is None and cfg.draft is not None:
+            cfg.method = "draft"
+        return cfg
+
+
+def read_bandwidth(dtype: torch.dtype, mbytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second this machine reads from memory with torch's threads (a sum over a
+    buffer far larger than the caches, best of `repeats`)."""
+    a = torch.ones(mbytes * 2**20 // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * a.element_size() / best
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _weight_bytes(model) -> int:
+    return model.num_parameters() * torch.empty(0, dtype=model.dtype).element_size()
+
+
+def _gguf_of(target: str, path: Path) -> Path | None:
+    if target in ZOO:
+        return ZOO[target].gguf_path()
+    source = path / "SOURCE"  # written by import-gguf
+    if source.exists():
+        gguf = Path(source.read_text().strip().rsplit(" from ", 1)[-1])
+        return gguf if gguf.is_file() else None
+    return None
+
+
+def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Runner]:
+    from ..cli.generate import heads_dir
+
+    runners: list[Runner] = [
+        OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
+    ]
+    if cfg.method is not None:
+        kw: dict = {"k": cfg.k, "method": cfg.method, "policy": cfg.policy}
+        if cfg.draft:
+            kw["draft"] = load(cfg.draft, dtype=dtype, device=cfg.device)
+        if cfg.method in ("medusa", "eagle"):
+            kw["heads"] = heads_dir(cfg.target, cfg.method, cfg.heads)
+        gen = SpeculativeGenerator(target, **kw)
+        runners.append(
+            OursRunner(f"ours {cfg.method} ({cfg.policy})", gen, cfg.method, cfg.policy, {"k": cfg.k})
+        )
+    if cfg.transformers:
+        hf = load_transformers(resolve(cfg.target, dtype), cfg.device, dtype)
+        runners.append(TransformersRunner("transformers generate", hf, "generate", {}))
+        runners.append(
+            TransformersRunner(f"transformers prompt lookup (k={cfg.k})", hf, "lookup", {"k": cfg.k})
+        )
+        if cfg.draft:
+            hf_draft = load_transformers(resolve(cfg.draft, dtype), cfg.device, dtype)
+            const = {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "constant"}
+            runners.append(
+                TransformersRunner(
+                    f"transformers assisted (k={cfg.k})", hf, "assisted", {"k": cfg.k}, hf_draft, const
+                )
+            )
+    if cfg.llama_cpp and cfg.temperature == 0 and cfg.device == "cpu":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            log("llama.cpp: llama-cpp-python is not installed; skipped (optional)")
+        else:
+            gguf = _gguf_of(cfg.target, resolve(cfg.target, dtype))
+            if gguf is None:
+                log("llama.cpp: the target did not come from a GGUF; skipped")
+            else:
+                runners.append(LlamaCppRunner(gguf, torch.get_num_threads(), 4096))
+    return runners
+
+
+def _encode(target, text: str, chat: bool) -> list[int]:
+    tok = target.tokenizer
+    if tok is None:
+        raise SpecDecodeError(f"{target.path} has no tokenizer; bench needs text prompts")
+    return tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+
+
+def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
+    from ..cli.generate import DTYPES
+
+    dtype = getattr(torch, DTYPES[cfg.dtype])
+    prompts = read_prompts(cfg.prompts)
+    known = sorted({p["category"] for p in prompts})
+    for c in cfg.categories:
+        if c not in known:
+            raise SpecDecodeError(f"unknown --category {c!r}; these prompts have {', '.join(known)}")
+    chosen = [
+        c for c in (CATEGORIES + tuple(known)) if c in known and (not cfg.categories or c in cfg.categories)
+    ]
+    chosen = list(dict.fromkeys(chosen))
+    by_cat = {c: [p for p in prompts if p["category"] == c] for c in chosen}
+    if cfg.per_category:
+        by_cat = {c: ps[: cfg.per_category] for c, ps in by_cat.items()}
+
+    rss0 = _rss_mb()
+    target = load(cfg.target, dtype=dtype, device=cfg.device)
+    rss_model = _rss_mb() - rss0
+    ids = {c: [_encode(target, p["text"], cfg.chat) for p in ps] for c, ps in by_cat.items()}
+    runners = _runners(cfg, target, dtype, log)
+
+    # runtime: verification cost, memory floor, memory
+    from .harness import forward_costs
+
+    k1 = cfg.k + 1
+    costs = forward_costs(target, context=160, widths=(1, k1), repeats=3, calls=10)
+    weight_bytes = _weight_bytes(target)
+    bw = read_bandwidth(dtype) if cfg.device == "cpu" else float("nan")
+    floor_tps = bw / weight_bytes
+
+    warm = ids[chosen[0]][0][:64]
+    for r in runners:  # warm-up: one short run each
+        r.run(warm, cfg.temperature, 8, cfg.seed)
+    runs: dict[str, dict[str, list[Run]]] = {c: {r.name: [] for r in runners} for c in chosen}
+    work = [(c, i) for c in chosen for i in range(len(ids[c]))]
+    for n, (c, i) in enumerate(bar(work, "benchmarking", enabled=cfg.progress)):
+        order = runners[n % len(runners) :] + runners[: n % len(runners)]
+        for r in order:
+            runs[c][r.name].append(r.run(ids[c][i], cfg.temperature, cfg.max_new_tokens, cfg.seed + i))
+
+    def summary(rs: dict[str, list[Run]]) -> dict:
+        out: dict = {"runners": {}}
+        for name, lst in rs.items():
+            tokens, secs, fwd = (
+                sum(r.tokens for r in lst),
+                sum(r.seconds for r in lst),
+                sum(r.forwards for r in lst),
+            )
+            out["runners"][name] = {
+                "tokens": tokens,
+                "seconds": round(secs, 4),
+                "tokens_per_s": round(tokens / secs, 3) if secs else None,
+                "tau": round(tokens / fwd, 3) if fwd else None,
+            }
+        rate = {name: v["tokens_per_s"] for name, v in out["runners"].items()}
+        ours_base = rate["ours target-only"]
+        out["speedup_vs_ours_target_only"] = {n: round(v / ours_base, 3) for n, v in rate.items()}
+        if "transformers generate" in rate:
+            base = rate["transformers generate"]
+            out["speedup_vs_transformers_generate"] = {n: round(v / base, 3) for n, v in rate.items()}
+            lookup = next((n for n in rate if n.startswith("transformers prompt lookup")), None)
+            if lookup and cfg.method:
+                ours = f"ours {cfg.method} ({cfg.policy})"
+                out["ours_method_vs_transformers_lookup"] = round(rate[ours] / rate[lookup], 3)
+            if cfg.temperature == 0:
+                ref = [r.token_ids for r in rs["transformers generate"]]
+                out["greedy_identical_to_transformers"] = {
+                    n: f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
+                    for n, lst in rs.items()
+                    if n.startswith("ours")
+                }
+        return out
+
+    categories = {c: {"prompts": len(ids[c]), **summary(runs[c])} for c in chosen}
+    overall = summary({r.name: [x for c in chosen for x in runs[c][r.name]] for r in runners})
+    ours_tps = overall["runners"]["ours target-only"]["tokens_per_s"]
+    return {
+        "kind": "model-bench",
+        "config": asdict(cfg),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "runtime": {
+            "parameters": target.num_parameters(),
+            "weight_bytes": weight_bytes,
+            "read_bandwidth_gb_s": round(bw / 1e9, 2),
+            "memory_floor_tokens_per_s": round(floor_tps, 2),
+            "ours_target_only_fraction_of_floor": round(ours_tps / floor_tps, 3),
+            "forward_ms": {"T(1)": round(costs[1] * 1e3, 3), f"T({k1})": round(costs[k1] * 1e3, 3)},
+            "verification_cost": round(costs[k1] / costs[1], 3),
+            "rss_growth_loading_target_mb": round(rss_model, 1),
+            "rss_growth_over_weight_bytes": round(rss_model * 2**20 / weight_bytes, 3),
+        },
+        "categories": categories,
+        "overall": overall,
+        "runners": [r.name for r in runners],
+    }
+
+
+def markdown(res: dict) -> str:
+    cfg, rt = res["config"], res["runtime"]
+    lines = [
+        f"# bench: {cfg['target']} ({cfg['dtype']}, {cfg['device']}), method {cfg['method'] or '-'}, "
+        f"k={cfg['k']}, T={cfg['temperature']}, {cfg['max_new_tokens']} tokens, chat={cfg['chat']}",
+        "",
+        f"Runtime: T(1) {rt['forward_ms']['T(1)']} ms, verification cost T({cfg['k'] + 1})/T(1) "
+        f"{rt['verification_cost']}; memory floor {rt['memory_floor_tokens_per_s']} tokens/s "
+        f"({rt['weight_bytes'] / 1e6:.0f} MB per token at {rt['read_bandwidth_gb_s']} GB/s read), ours "
+        f"target-only reaches {rt['ours_target_only_fraction_of_floor']:.0%} of it; loading the target grew "
+        f"the resident set by {rt['rss_growth_loading_target_mb']} MB ({rt['rss_growth_over_weight_bytes']}x "
+        "the weight bytes).",
+        "",
+    ]
+    names = res["runners"]
+    lines.append("| category | prompts | " + " | ".join(names) + " |")
+    lines.append("|---|---|" + "---|" * len(names))
+    for cat, c in [*res["categories"].items(), ("overall", {**res["overall"], "prompts": ""})]:
+        cells = []
+        for n in names:
+            r = c["runners"][n]
+            sp = c["speedup_vs_ours_target_only"][n]
+            cells.append(f"{r['tokens_per_s']:.1f} tok/s, τ {r['tau']}, {sp:.2f}x")
+        lines.append(f"| {cat} | {c['prompts']} | " + " | ".join(cells) + " |")
+    lines += ["", "Speed-ups are over ours target-only. τ: tokens per target forward."]
+    ov = res["overall"]
+    if "greedy_identical_to_transformers" in ov:
+        lines.append(
+            "Greedy output identical to transformers generate: "
+            + ", ".join(f"{n} {v}" for n, v in ov["greedy_identical_to_transformers"].items())
+        )
+    if "ours_method_vs_transformers_lookup" in ov:
+        lines.append(
+            f"Ours {cfg['method']} over transformers prompt lookup: "
+            f"{ov['ours_method_vs_transformers_lookup']}x"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save_model_bench(res: dict, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "model-bench.json", "markdown": out / "model-bench.md"}
+    paths["json"].write_text(json.dumps(res, indent=2, ensure_ascii=False))
+    paths["markdown"].write_text(markdown(res))
+    return paths
+
+
+__all__ = ["ModelBenchConfig", "read_prompts", "run_model_bench", "save_model_bench"]
