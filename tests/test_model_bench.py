@@ -64,6 +64,7 @@ def test_bench_on_any_model_reports_every_category_with_greedy_identity(imported
         "transformers prompt lookup (k=4)",
     }
     assert ov["greedy_identical_to_transformers"] == {"ours target-only": "3/3", "ours ngram (fixed)": "3/3"}
+    assert ov["greedy_identical_to_ours_target_only"] == "3/3"
     assert ov["runners"]["ours target-only"]["tokens"] == 3 * 8
     rt = res["runtime"]
     assert rt["verification_cost"] > 0 and rt["memory_floor_tokens_per_s"] > 0

@@ -255,6 +255,13 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
                     for n, lst in rs.items()
                     if n.startswith("ours")
                 }
+        if cfg.temperature == 0 and cfg.method:
+            # speculation must not change greedy output: every method against our own target-only
+            ref = [r.token_ids for r in rs["ours target-only"]]
+            lst = rs[f"ours {cfg.method} ({cfg.policy})"]
+            out["greedy_identical_to_ours_target_only"] = (
+                f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
+            )
         return out
 
     categories = {c: {"prompts": len(ids[c]), **summary(runs[c])} for c in chosen}
@@ -316,6 +323,11 @@ def markdown(res: dict) -> str:
         lines.append(
             "Greedy output identical to transformers generate: "
             + ", ".join(f"{n} {v}" for n, v in ov["greedy_identical_to_transformers"].items())
+        )
+    if "greedy_identical_to_ours_target_only" in ov:
+        lines.append(
+            f"Greedy output of ours {cfg['method']} identical to ours target-only: "
+            f"{ov['greedy_identical_to_ours_target_only']}"
         )
     if "ours_method_vs_transformers_lookup" in ov:
         lines.append(

