@@ -48,6 +48,10 @@ class SpecConfig:
             raise SpecDecodeError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not 0 < self.confidence_threshold < 1:
             raise SpecDecodeError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SpecDecodeError(
+                f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+            )
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
         if self.tree is not None:

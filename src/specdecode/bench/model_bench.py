@@ -70,6 +70,8 @@ class ModelBenchConfig:
     heads: str | None = None
     k: int = 4
     policy: str = "fixed"
+    ngram_max: int = 3
+    ngram_min: int = 1
     prompts: str = "spec-bench"
     categories: tuple[str, ...] = ()
     per_category: int = 0  # 0 = every prompt
@@ -98,6 +100,17 @@ class ModelBenchConfig:
             raise SpecDecodeError(f"--temperature must be >= 0, got {cfg.temperature}")
         if cfg.method is None and cfg.draft is not None:
             cfg.method = "draft"
+        # the drafting options, checked before any model is loaded
+        from ..config import SpecConfig
+        from ..drafters import DRAFTERS
+
+        SpecConfig(
+            method=cfg.method, k=cfg.k, policy=cfg.policy, ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min
+        )
+        if cfg.method is not None and cfg.method not in DRAFTERS:
+            raise SpecDecodeError(f"unknown --method {cfg.method!r}; choose one of {', '.join(DRAFTERS)}")
+        if cfg.method == "draft" and not cfg.draft:
+            raise SpecDecodeError("--method draft needs --draft MODEL")
         return cfg
 
 
@@ -139,6 +152,8 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
     ]
     if cfg.method is not None:
         kw: dict = {"k": cfg.k, "method": cfg.method, "policy": cfg.policy}
+        if cfg.method == "ngram":
+            kw.update(ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min)
         if cfg.draft:
             kw["draft"] = load(cfg.draft, dtype=dtype, device=cfg.device)
         if cfg.method in ("medusa", "eagle"):

@@ -54,6 +54,8 @@ def register(sub) -> None:
     t.add_argument("--method", help="drafting method: draft, ngram, early-exit, medusa, eagle")
     t.add_argument("--heads", metavar="DIR", help="medusa / eagle drafter directory")
     t.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
+    t.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
+    t.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
     t.add_argument(
         "--category", action="append", help="only these categories (repeatable; default all of --prompts)"
     )
@@ -148,6 +150,8 @@ def _bench_model(args: argparse.Namespace, progress: bool) -> int:
         heads=args.heads,
         k=args.k,
         policy=args.policy,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
         prompts=args.prompts or "spec-bench",
         categories=tuple(args.category or ()),
         per_category=args.limit,
