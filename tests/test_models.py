@@ -106,3 +106,18 @@ def test_checkpoints_from_init_model_load_in_transformers_offline(llama_dirs):
     ours = load(llama_dirs["tied-gqa"])
     assert tok.encode("hello") == ours.tokenizer.encode("hello")
     assert ours.tokenizer.decode(ours.tokenizer.encode("hello world")) == "hello world"
+
+
+def test_forward_computes_only_the_logits_asked_for(llama_dirs):
+    from specdecode.models.base import ForwardMeta
+
+    model = load(llama_dirs["untied-mha"], dtype=torch.float64)
+    x = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    full = model.forward(x, model.new_cache(2, 8))[0]
+    at = torch.tensor([6, 3])
+    picked, _ = model.forward(x, model.new_cache(2, 8), ForwardMeta(logits_at=at))
+    assert picked.shape == (2, 1, 96)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(2), at], rtol=0, atol=1e-12)
+    cache = model.new_cache(2, 8)
+    none, hidden = model.forward(x, cache, ForwardMeta(need_logits=False, return_hidden=True))
+    assert none is None and hidden.shape == (2, 7, 32) and cache.lengths.tolist() == [7, 7]

@@ -221,7 +221,9 @@ class Generation:
         cache = self.target.new_cache(rows.size, rows.tokens.shape[1])
         hidden = None
         if int(rows.lengths.max()) > 1:  # prefill all but the last prompt token
-            _, hidden = extend(self.target, cache, rows.tokens, rows.lengths - 1, self.gen.needs_hidden)
+            _, hidden = extend(
+                self.target, cache, rows.tokens, rows.lengths - 1, self.gen.needs_hidden, need_logits=False
+            )
         state = None
         if self.drafter is not None:
             state = self.drafter.start(rows.context(), cache)

@@ -46,7 +46,7 @@ class DraftModelDrafter(Drafter):
     def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
         state = DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
         if int(ctx.lengths.max()) > 1:  # prefill with the target's (all but the pending token)
-            extend(self.model, state.cache, ctx.tokens, ctx.lengths - 1)
+            extend(self.model, state.cache, ctx.tokens, ctx.lengths - 1, need_logits=False)
         return state
 
     @torch.inference_mode()

@@ -14,7 +14,7 @@ import torch
 from ..errors import SpecDecodeError
 from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
-from .llama import LlamaConfig, LlamaModel
+from .llama import LlamaConfig, LlamaModel, return_freed_memory
 from .tokenizer import TextTokenizer
 
 BUNDLED = (
@@ -208,4 +208,5 @@ def load(
     eos = _eos_ids(path, cfg)
     turn = model.tokenizer.end_of_turn_ids() if model.tokenizer is not None else ()
     model.eos_token_ids = tuple(dict.fromkeys((*eos, *turn)))
+    return_freed_memory()
     return model

@@ -25,6 +25,10 @@ class ForwardMeta:
         never advances the lengths.
     return_hidden: also return the final-normed hidden states [B, T, hidden].
     inputs_embeds: [B, T, hidden] replaces the token embeddings (EAGLE feeds fused features).
+    logits_at: [B] one position per row: the forward may return logits [B, 1, V] of just those
+        (a prefill needs the last one only; the LM head over a long prompt is wasted work).
+    need_logits: False: the forward may return None for the logits (a prefill whose logits
+        nobody reads). Runtimes that ignore these two return all logits.
     Only our lean runtime takes the tree, offset, early-exit and embedding fields.
     """
 
@@ -35,6 +39,8 @@ class ForwardMeta:
     num_layers: int | None = None
     return_hidden: bool = False
     inputs_embeds: torch.Tensor | None = None
+    logits_at: torch.Tensor | None = None
+    need_logits: bool = True
 
 
 PLAIN = ForwardMeta()
@@ -80,11 +86,17 @@ def logits_of(model: CausalLM, tokens: torch.Tensor, cache: Cache) -> torch.Tens
 
 
 def extend(
-    model: CausalLM, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    model: CausalLM,
+    cache: Cache,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    return_hidden: bool = False,
+    need_logits: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Bring each row's cache up to lengths[b] tokens of tokens [B, N]; return the logits [B, V]
-    that follow each row's last token and, with return_hidden, the final hidden states of every
-    token fed ([B, n, hidden], row b valid for its first lengths[b] - start[b] entries; else None).
+    that follow each row's last token (None with need_logits=False) and, with return_hidden, the
+    final hidden states of every token fed ([B, n, hidden], row b valid for its first
+    lengths[b] - start[b] entries; else None).
 
     Rows may be ragged: the uncached suffixes are fed right-padded in one forward, then the
     cache is rewound to the true lengths (the padding is never attended to again). A row
@@ -97,9 +109,13 @@ def extend(
         raise ValueError("extend: nothing to feed")
     B = tokens.shape[0]
     idx = (start.view(B, 1) + torch.arange(n, device=tokens.device).view(1, n)).clamp(max=tokens.shape[1] - 1)
-    meta = WITH_HIDDEN if return_hidden else PLAIN
-    logits, hidden = model.forward(tokens.gather(1, idx), cache, meta)  # [B, n, V], [B, n, hidden]
+    last = (todo - 1).clamp(min=0)
+    meta = ForwardMeta(return_hidden=return_hidden, logits_at=last, need_logits=need_logits)
+    logits, hidden = model.forward(tokens.gather(1, idx), cache, meta)  # [B, n or 1, V], [B, n, hidden]
     cache.rewind(lengths)
-    last = (todo - 1).clamp(min=0).view(B, 1, 1)
-    at_last = logits.gather(1, last.expand(B, 1, logits.shape[-1])).squeeze(1)
+    if not need_logits or logits is None:
+        return None, hidden
+    if logits.shape[1] == 1:  # the runtime computed just the asked positions
+        return logits[:, 0], hidden
+    at_last = logits.gather(1, last.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
     return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i
