@@ -22,6 +22,9 @@ from .base import PLAIN, ForwardMeta
 from .linear import Linear
 from .tokenizer import TextTokenizer
 
+# scaled_dot_product_attention(enable_gqa=...) arrived in torch 2.5
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -309,15 +312,19 @@ class LlamaModel:
             cos, sin = self._cos[s:S].view(1, T, 1, D), self._sin[s:S].view(1, T, 1, D)
             pos = None
             # query t sees keys 0..s+t; one causal block over the new tokens (T = 1: no mask)
-            # additive (0 / -inf): SDPA would convert a bool mask in every layer
+            # additive (0 / -inf): SDPA would convert a bool mask in every layer. A prefill from
+            # an empty cache (s = 0) is plain causal attention: SDPA's causal kernel with GQA
+            # skips the masked half (900 tokens: 10.6 vs 16.8 ms a layer)
+            causal = s == 0 and T > 1 and _SDPA_GQA
             mask = (
                 None
-                if T == 1
+                if T == 1 or causal
                 else torch.full((T, S), float("-inf"), dtype=self.dtype, device=dev).triu_(s + 1)
             )
             if mask is not None and G > 1:
                 mask = mask.repeat(G, 1)
         else:
+            causal = False
             pos = cache.positions(T, offset)  # [B, T] cache slots
             rope_pos = pos if positions is None else positions
             self._rope_tables(int(rope_pos.max()) + 1)
@@ -354,8 +361,12 @@ class LlamaModel:
             keys, values = layer_k.narrow(2, 0, S), layer_v.narrow(2, 0, S)
             # grouped-query attention without copying K/V: fold the G query heads of each
             # kv head into the query-length axis
-            q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            if causal:
+                q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
+                attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=G > 1)
+            else:
+                q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
             x = layer.o(attn, residual=x)
             h = _rms_norm(x, layer.mlp_norm_s, d_eps)
