@@ -32,17 +32,13 @@ def packing_works(dtype: torch.dtype) -> bool:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 64, generator=g).to(dtype)
         x = torch.randn(3, 64, generator=g).to(dtype)
-        r = torch.randn(3, 48, generator=g).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        z = torch.ops.mkldnn._linear_pointwise.binary(x, r, packed, None, "add")
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     ref = F.linear(x.float(), w.float())
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    return bool(torch.allclose(y.float(), ref, atol=tol, rtol=tol)) and bool(
-        torch.allclose(z.float(), ref + r.float(), atol=tol, rtol=tol)
-    )
+    return bool(torch.allclose(y.float(), ref, atol=tol, rtol=tol))
 
 
 PACK_FP32_FROM_BYTES = 2_000_000
@@ -76,9 +72,11 @@ class Linear:
         """x [N, in] -> [N, out], plus residual [N, out] when given."""
         w, b = self.weight, self.bias
         if self.layout == "packed":
-            if residual is not None:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            # the residual is added separately: oneDNN's fused add (`.binary(..., "add")`) rounds a
+            # bf16 row differently with 1 row than with 5, so a token's result would depend on how
+            # many tokens share the forward (measured; the plain product does not)
+            return out if residual is None else out.add_(residual)
         if self.layout == "mm":
             if residual is None:
                 return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
