@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .generate import DTYPES
+
 
 def register(sub) -> None:
     b = sub.add_parser(
@@ -61,9 +63,7 @@ def register(sub) -> None:
     )
     t.add_argument("--limit", type=int, help="prompts per category (default all; --quick 2)")
     t.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    t.add_argument(
-        "--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="weight type (default fp32)"
-    )
+    t.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weight type (default fp32)")
     t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when it is installed")
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")

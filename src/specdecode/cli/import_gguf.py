@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .generate import DTYPES
+
 
 def register(sub) -> None:
     m = sub.add_parser(
@@ -20,7 +22,7 @@ def register(sub) -> None:
     m.add_argument(
         "--out", required=True, metavar="DIR", help="output model directory (replaced if it exists)"
     )
-    m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="stored weight type")
+    m.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="stored weight type")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     m.set_defaults(func=_import_gguf)
 
@@ -29,7 +31,6 @@ def _import_gguf(args: argparse.Namespace) -> int:
     import torch
 
     from ..models.gguf_import import import_gguf
-    from .generate import DTYPES
 
     out = import_gguf(args.file, args.out, getattr(torch, DTYPES[args.dtype]), progress=not args.no_progress)
     print(f"wrote {out} (load it with --target {out})", file=sys.stderr)
