@@ -12,6 +12,14 @@ import torch
 
 from .errors import SpecDecodeError
 
+# the batch-invariant attention reduces over keys in chunks of this many positions
+KEY_CHUNK = 64
+
+
+def chunked(n: int) -> int:
+    """n rounded up to a whole number of key chunks."""
+    return -(-n // KEY_CHUNK) * KEY_CHUNK
+
 
 class KVCache:
     """Keys and values [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens."""
@@ -25,7 +33,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        invariant: bool = False,
     ) -> None:
+        # invariant: the batch-invariant forward reads this cache (see models/invariant.py); its
+        # keys and values are kept in float32 (an exact copy of what the projections produced)
+        # and its capacity is a whole number of the attention's key chunks
+        self.invariant = invariant
+        if invariant:
+            dtype = torch.float32
+            capacity = chunked(capacity)
         shape = (layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -37,6 +53,16 @@ class KVCache:
         # per-layer views [B, kv_heads, capacity, head_dim]: narrow() on these is a cheap call,
         # indexing the 5-d tensor with a tuple of slices is not (it runs per layer per forward)
         self.layer_k, self.layer_v = list(self.k.unbind(0)), list(self.v.unbind(0))
+
+    def row(self, b: int) -> KVCache:
+        """Row b as a one-row cache that shares this cache's storage (a forward on it writes
+        here); its length starts at this row's and is not copied back."""
+        view = object.__new__(KVCache)
+        view.invariant, view.capacity = self.invariant, self.capacity
+        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
+        view.lengths = self.lengths[b : b + 1].clone()
+        view._layer_views()
+        return view
 
     def aligned_start(self) -> int | None:
         """The common length of every row (the next write slot), or None if rows differ."""
@@ -87,6 +113,8 @@ class KVCache:
 
     def grow(self, capacity: int) -> None:
         """Make room for `capacity` positions per row (never shrinks; entries kept)."""
+        if self.invariant:
+            capacity = chunked(capacity)
         if capacity <= self.capacity:
             return
         pad = capacity - self.capacity

@@ -25,7 +25,10 @@ class SpecConfig:
     verified in one forward (fixed policy only). Method options: exit_layer (early-exit),
     ngram_max / ngram_min (ngram), heads (medusa / eagle: a directory or loaded heads).
     Policy options: confidence_threshold, max_k (heuristic / optimal), cost_model (optimal: a
-    CostModel or a JSON file; default: measured once per generator on its first batch)."""
+    CostModel or a JSON file; default: measured once per generator on its first batch).
+    batch_invariant: run the target's batch-invariant forward, so that a token's logits do not
+    depend on how many drafts or rows share a forward (greedy speculative output then equals
+    target-only token for token in bf16 too); None: the default, on for our lean runtime."""
 
     method: str | None = None
     k: int = 4
@@ -38,6 +41,7 @@ class SpecConfig:
     confidence_threshold: float = 0.4
     max_k: int | None = None
     cost_model: Any = None
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):

@@ -218,12 +218,19 @@ class Generation:
         rows = Rows.new(list(range(first, first + len(ids))), ids, params, self.gen.width, self.target.device)
         self.gen._check_capacity(rows.tokens.shape[1])
         self.outputs += [RowOutput(p, t0) for p in params]
-        cache = self.target.new_cache(rows.size, rows.tokens.shape[1])
+        invariant = self.gen.batch_invariant
+        if invariant:
+            cache = self.target.new_cache(rows.size, rows.tokens.shape[1], invariant=True)
+        else:
+            cache = self.target.new_cache(rows.size, rows.tokens.shape[1])
         hidden = None
         if int(rows.lengths.max()) > 1:  # prefill all but the last prompt token
-            _, hidden = extend(
-                self.target, cache, rows.tokens, rows.lengths - 1, self.gen.needs_hidden, need_logits=False
-            )
+            if invariant and rows.size > 1:
+                hidden = self._prefill_rows(rows, cache)
+            else:
+                _, hidden = extend(
+                    self.target, cache, rows.tokens, rows.lengths - 1, self.gen.needs_hidden, need_logits=False
+                )
         state = None
         if self.drafter is not None:
             state = self.drafter.start(rows.context(), cache)
@@ -233,6 +240,32 @@ class Generation:
         for out in self.outputs[first:]:
             out.stats.prefill_s = prefill_s
         return rows, cache, state
+
+    def _prefill_rows(self, rows: Rows, cache) -> torch.Tensor | None:
+        """Prefill each row on its own, so that its cache holds what it would hold in a batch of
+        one (a padded batch prefill is one SDPA call whose blocking depends on the longest
+        prompt). Returns the hidden states [B, n, d] when the drafter needs them."""
+        hiddens = []
+        for b in range(rows.size):
+            n = int(rows.lengths[b]) - 1
+            if n == 0:
+                hiddens.append(None)
+                continue
+            row = cache.row(b)
+            lengths = torch.tensor([n], device=rows.lengths.device)
+            _, h = extend(self.target, row, rows.tokens[b : b + 1], lengths, self.gen.needs_hidden, False)
+            cache.lengths[b] = n
+            hiddens.append(h)
+        if not self.gen.needs_hidden:
+            return None
+        fed = [h for h in hiddens if h is not None]
+        first = fed[0]
+        width = max(h.shape[1] for h in fed)
+        out = first.new_zeros(rows.size, width, first.shape[-1])
+        for b, h in enumerate(hiddens):
+            if h is not None:
+                out[b, : h.shape[1]] = h[0]
+        return out
 
     def _retire(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.rows.tokens.device)
@@ -312,6 +345,13 @@ class SpeculativeGenerator:
                 )
             self.tree_layout = (self.tree.depths().to(target.device), self.tree.mask().to(target.device))
         self.needs_hidden = self.drafter is not None and self.drafter.requires_hidden
+        lean = isinstance(target, LlamaModel)
+        if config.batch_invariant and not lean:
+            raise SpecDecodeError(
+                "batch invariance needs a Llama checkpoint on our lean runtime (--backend lean); "
+                "transformers' kernels do not give it"
+            )
+        self.batch_invariant = lean and config.batch_invariant is not False
         self.width = config.max_draft if self.drafter is not None else 0
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost

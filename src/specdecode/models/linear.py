@@ -60,6 +60,8 @@ class Linear:
             self.layout = "packed"
         else:
             self.layout = "mm"
+        self.dtype = weight.dtype
+        self._row_multiple: int | None = None
         # the stored copy replaces the given one (nothing else holds `weight` after loading)
         if self.layout == "packed":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -68,19 +70,69 @@ class Linear:
         else:
             self.weight = weight
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, in] -> [N, out], plus residual [N, out] when given."""
+    @property
+    def row_multiple(self) -> int:
+        """The batch-invariant forward pads a product's rows to a multiple of this (probed once
+        per kind of product, see `_probe_row_multiple`)."""
+        if self._row_multiple is None:
+            key = (self.layout, self.dtype, self.in_features, self.out_features, self.bias is not None)
+            if key not in _ROW_MULTIPLE:
+                _ROW_MULTIPLE[key] = _probe_row_multiple(self)
+            self._row_multiple = _ROW_MULTIPLE[key]
+        return self._row_multiple
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
+    ) -> torch.Tensor:
+        """x [N, in] -> [N, out], plus residual [N, out] when given. invariant: a row's result
+        does not depend on N (rows padded to `row_multiple`)."""
+        n = x.shape[0]
+        if invariant:  # always product, then residual: the same two steps for every row count
+            if n % self.row_multiple:
+                x = F.pad(x, (0, 0, 0, self.row_multiple - n % self.row_multiple))
+            out = self._product(x)[:n]
+            return out if residual is None else out.add_(residual)
+        if residual is not None and self.layout == "mm" and self.bias is None:
+            return torch.addmm(residual, x, self.weight)
+        out = self._product(x)
+        return out if residual is None else out.add_(residual)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if self.layout == "packed":
-            out = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-            # the residual is added separately: oneDNN's fused add (`.binary(..., "add")`) rounds a
-            # bf16 row differently with 1 row than with 5, so a token's result would depend on how
-            # many tokens share the forward (measured; the plain product does not)
-            return out if residual is None else out.add_(residual)
+            # the residual is added by the caller: oneDNN's fused add (`.binary(..., "add")`)
+            # rounds a bf16 row differently with 1 row than with 5, so a token's result would
+            # depend on how many tokens share the forward (measured; the plain product does not)
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         if self.layout == "mm":
-            if residual is None:
-                return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
-            out = torch.addmm(residual, x, w)
-            return out if b is None else out.add_(b)
-        out = F.linear(x, w, b)
-        return out if residual is None else out.add_(residual)
+            return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+        return F.linear(x, w, b)
+
+
+_ROW_MULTIPLE: dict[tuple, int] = {}
+PROBE_ROWS = 96
+
+
+def _probe_row_multiple(linear: Linear) -> int:
+    """The smallest r in (1, 2, 4) such that products of r, 3r and 96 rows give each row the same
+    result, on random rows through this very weight.
+
+    Measured here: oneDNN's packed bf16 GEMM with 1536 inputs takes another path for one row than
+    for two or more (about 1 row in 10 comes out an ulp apart), with 576 inputs it does not; MKL's
+    fp32 GEMM agrees only among row counts that are multiples of 4. A kernel that took another
+    reduction order for one of these shapes differs on many of 96 random rows (1 in 10 rows: missed with odds 4e-5), so a mismatch is
+    not missed by chance."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_ROWS, linear.in_features, generator=g).to(linear.weight.device, linear.dtype)
+    with torch.inference_mode():
+        full = linear._product(x)
+        for r in (1, 2, 4):
+            if all(
+                torch.equal(torch.cat([linear._product(x[i : i + m]) for i in range(0, PROBE_ROWS, m)]), full)
+                for m in (r, 3 * r)
+            ):
+                return r
+    raise RuntimeError(
+        f"no row padding makes this {linear.layout} {linear.dtype} product row-invariant; "
+        "run without batch invariance"
+    )

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..cache import KVCache
 from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
+from .invariant import InvariantAttention
 from .linear import Linear
 from .tokenizer import TextTokenizer
 
@@ -145,10 +146,17 @@ def return_freed_memory() -> None:
         pass
 
 
-def _rms_norm(x: torch.Tensor, scaled_weight: torch.Tensor, d_eps: float) -> torch.Tensor:
+def _rms_norm(
+    x: torch.Tensor, scaled_weight: torch.Tensor, d_eps: float, invariant: bool = False
+) -> torch.Tensor:
     """RMSNorm x / sqrt(mean(x²) + eps) * w, written as x * (w √d) / sqrt(Σx² + d·eps): with the
-    √d folded into the weight at load time it is three small kernels (F.rms_norm is six on CPU)."""
-    sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
+    √d folded into the weight at load time it is three small kernels (F.rms_norm is six on CPU).
+    invariant: the norm is reduced in float32 (a bf16 norm over 32 or more rows takes another
+    reduction order than over fewer, so a row's result would depend on its neighbours)."""
+    if invariant:
+        sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square_()
+    else:
+        sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
     return (x * scaled_weight).mul_(sum_sq.add_(d_eps).rsqrt_())
 
 
@@ -233,10 +241,20 @@ class LlamaModel:
             n += self.lm_head.numel()
         return n + sum(layer.num_parameters() for layer in self.layers)
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+    def new_cache(self, batch_size: int, capacity: int, invariant: bool = False) -> KVCache:
+        """A cache for `batch_size` rows of `capacity` tokens. invariant=True: the forwards that
+        use it are batch-invariant (models/invariant.py): a token's logits do not depend on how
+        many tokens or rows share the forward."""
         c = self.cfg
         return KVCache(
-            c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device
+            c.num_layers,
+            batch_size,
+            c.num_kv_heads,
+            capacity,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            invariant=invariant,
         )
 
     @property
@@ -291,6 +309,11 @@ class LlamaModel:
 
         The common case (every row at the same length, a plain causal chain) runs on slices
         with Python-int positions: no gathers, no index writes, and no mask at all for T = 1.
+
+        A cache made with invariant=True selects the batch-invariant forward: attention from
+        models/invariant.py, norms reduced in float32, GEMM rows padded where the kernel needs it.
+        A prefill from an empty cache stays on SDPA's causal kernel (it is the same call for a
+        prompt whatever is decoded after it; the engine prefills such rows one at a time).
         """
         positions, tree_mask, offset = meta.positions, meta.tree_mask, meta.offset
         num_layers, inputs_embeds = meta.num_layers, meta.inputs_embeds
@@ -301,6 +324,8 @@ class LlamaModel:
         G = H // Hkv
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         start = cache.aligned_start()  # the one length of every row, or None
+        inv = getattr(cache, "invariant", False)
+        allowed = None  # [B or 1, T, S] the slots each new token sees (invariant attention)
         if start is not None and positions is None and tree_mask is None:
             s = start + offset
             S = s + T
@@ -316,13 +341,16 @@ class LlamaModel:
             # an empty cache (s = 0) is plain causal attention: SDPA's causal kernel with GQA
             # skips the masked half (900 tokens: 10.6 vs 16.8 ms a layer)
             causal = s == 0 and T > 1 and _SDPA_GQA
-            mask = (
-                None
-                if T == 1 or causal
-                else torch.full((T, S), float("-inf"), dtype=self.dtype, device=dev).triu_(s + 1)
-            )
-            if mask is not None and G > 1:
-                mask = mask.repeat(G, 1)
+            mask = None
+            if inv and not causal:
+                allowed = (
+                    torch.arange(S, device=dev).view(1, 1, S)
+                    <= torch.arange(s, S, device=dev).view(1, T, 1)
+                )
+            elif not (T == 1 or causal):
+                mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=dev).triu_(s + 1)
+                if G > 1:
+                    mask = mask.repeat(G, 1)
         else:
             causal = False
             pos = cache.positions(T, offset)  # [B, T] cache slots
@@ -337,17 +365,21 @@ class LlamaModel:
                 W = tree_mask.shape[1]
                 block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
                 allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
-            blocked = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
-                ~allowed, float("-inf")
-            )
-            mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
+            if not inv:
+                blocked = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
+                    ~allowed, float("-inf")
+                )
+                mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
             rows = torch.arange(B, device=dev).view(B, 1).expand(B, T)
+        attention = (
+            InvariantAttention(allowed, B, Hkv, G, D, self.dtype) if allowed is not None and inv else None
+        )
         x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
         d_eps = c.hidden_size * c.rms_norm_eps
         for i, layer in enumerate(layers):
-            h = _rms_norm(x, layer.attn_norm_s, d_eps)
-            qkv = layer.qkv(h).view(B, T, H + 2 * Hkv, D)
+            h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
+            qkv = layer.qkv(h, invariant=inv).view(B, T, H + 2 * Hkv, D)
             qk = qkv[:, :, : H + Hkv]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
@@ -356,30 +388,35 @@ class LlamaModel:
                 layer_k.narrow(2, s, T).copy_(k)
                 layer_v.narrow(2, s, T).copy_(v)
             else:  # ragged rows or a tree: one index write per layer, the checks done once above
-                layer_k[rows, :, pos] = k.transpose(1, 2)
-                layer_v[rows, :, pos] = v.transpose(1, 2)
+                layer_k[rows, :, pos] = k.transpose(1, 2).to(layer_k.dtype)
+                layer_v[rows, :, pos] = v.transpose(1, 2).to(layer_v.dtype)
             keys, values = layer_k.narrow(2, 0, S), layer_v.narrow(2, 0, S)
+            if inv and causal:  # the float32 cache holds a copy; attend to the model-dtype k, v
+                keys, values = k, v
             # grouped-query attention without copying K/V: fold the G query heads of each
             # kv head into the query-length axis
-            if causal:
+            if attention is not None:
+                attn = attention(qk[:, :, :H], layer_k, layer_v)
+            elif causal:
                 q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
                 attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=G > 1)
+                attn = attn.transpose(1, 2).reshape(B * T, H * D)
             else:
                 q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-            x = layer.o(attn, residual=x)
-            h = _rms_norm(x, layer.mlp_norm_s, d_eps)
-            gate_up = layer.gate_up(h)
+                attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+            x = layer.o(attn, residual=x, invariant=inv)
+            h = _rms_norm(x, layer.mlp_norm_s, d_eps, inv)
+            gate_up = layer.gate_up(h, invariant=inv)
             act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
-            x = layer.down(act, residual=x)
+            x = layer.down(act, residual=x, invariant=inv)
         if num_layers is None and meta.advance:
             cache.advance(T)
-        x = _rms_norm(x, self._final_norm_s, d_eps)
+        x = _rms_norm(x, self._final_norm_s, d_eps, inv)
         hidden = x.view(B, T, -1) if meta.return_hidden else None
         if not meta.need_logits:
             return None, hidden
         if meta.logits_at is not None and T > 1:  # only the positions asked for
             rows = torch.arange(B, device=dev)
-            return self._head(x.view(B, T, -1)[rows, meta.logits_at]).view(B, 1, -1), hidden
-        return self._head(x).view(B, T, -1), hidden
+            return self._head(x.view(B, T, -1)[rows, meta.logits_at], invariant=inv).view(B, 1, -1), hidden
+        return self._head(x, invariant=inv).view(B, T, -1), hidden
