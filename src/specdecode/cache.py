@@ -22,7 +22,14 @@ def chunked(n: int) -> int:
 
 
 class KVCache:
-    """Keys and values [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens."""
+    """Keys and values [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens.
+
+    invariant=True: the cache of the batch-invariant forward (models/invariant.py). Keys and
+    values are float32 (an exact copy of the model-dtype projections), the capacity is a whole
+    number of KEY_CHUNK chunks, and the values are stored chunk-major, [layers, chunks, B,
+    kv_heads, KEY_CHUNK, head_dim], so the first n chunks of every row and head are one
+    contiguous block that the attention multiplies chunk by chunk without a copy.
+    """
 
     def __init__(
         self,
@@ -44,6 +51,8 @@ class KVCache:
             capacity = chunked(capacity)
         shape = (layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
+        if invariant:
+            shape = (layers, capacity // KEY_CHUNK, batch, kv_heads, KEY_CHUNK, head_dim)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.capacity = capacity
@@ -59,7 +68,8 @@ class KVCache:
         here); its length starts at this row's and is not copied back."""
         view = object.__new__(KVCache)
         view.invariant, view.capacity = self.invariant, self.capacity
-        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
+        view.k = self.k[:, b : b + 1]
+        view.v = self.v[:, :, b : b + 1] if self.invariant else self.v[:, b : b + 1]
         view.lengths = self.lengths[b : b + 1].clone()
         view._layer_views()
         return view
@@ -102,12 +112,16 @@ class KVCache:
             src = int(base[b]) + torch.tensor(path, device=self.k.device)
             dst = int(base[b]) + 1 + torch.arange(len(path), device=self.k.device)
             self.k[:, b, :, dst] = self.k[:, b, :, src].clone()
-            self.v[:, b, :, dst] = self.v[:, b, :, src].clone()
+            if self.invariant:  # as [layers, B, kv_heads, chunks, KEY_CHUNK, D]: slot = (chunk, offset)
+                v, C = self.v.permute(0, 2, 3, 1, 4, 5), KEY_CHUNK
+                v[:, b, :, dst // C, dst % C] = v[:, b, :, src // C, src % C].clone()
+            else:
+                self.v[:, b, :, dst] = self.v[:, b, :, src].clone()
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (retire the others); one copy, made when rows finish."""
         self.k = self.k[:, rows].contiguous()
-        self.v = self.v[:, rows].contiguous()
+        self.v = (self.v[:, :, rows] if self.invariant else self.v[:, rows]).contiguous()
         self._layer_views()
         self.lengths = self.lengths[rows].clone()
 
@@ -119,7 +133,10 @@ class KVCache:
             return
         pad = capacity - self.capacity
         self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
-        self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
+        if self.invariant:  # more chunks (dim 1 of 6)
+            self.v = torch.nn.functional.pad(self.v, (0, 0) * 4 + (0, pad // KEY_CHUNK))
+        else:
+            self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
         self.capacity = capacity
         self._layer_views()
 
@@ -128,7 +145,18 @@ class KVCache:
         capacity = max(self.capacity, other.capacity)
         self.grow(capacity)
         other.grow(capacity)
+        if self.invariant != other.invariant:
+            raise ValueError("cannot join an invariant cache and a plain one")
         self.k = torch.cat([self.k, other.k], 1)
-        self.v = torch.cat([self.v, other.v], 1)
+        self.v = torch.cat([self.v, other.v], 2 if self.invariant else 1)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self._layer_views()
+
+
+def write_chunked(layer_v: torch.Tensor, start: int, v: torch.Tensor) -> None:
+    """Write v [B, kv_heads, T, D] at slots start.. of a chunk-major value cache [chunks, B,
+    kv_heads, KEY_CHUNK, D] (one slice copy per chunk the slots touch)."""
+    T = v.shape[2]
+    for c in range(start // KEY_CHUNK, (start + T - 1) // KEY_CHUNK + 1):
+        lo, hi = max(start, c * KEY_CHUNK), min(start + T, (c + 1) * KEY_CHUNK)
+        layer_v[c, :, :, lo - c * KEY_CHUNK : hi - c * KEY_CHUNK].copy_(v[:, :, lo - start : hi - start])

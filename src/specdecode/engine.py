@@ -228,9 +228,9 @@ class Generation:
             if invariant and rows.size > 1:
                 hidden = self._prefill_rows(rows, cache)
             else:
-                _, hidden = extend(
-                    self.target, cache, rows.tokens, rows.lengths - 1, self.gen.needs_hidden, need_logits=False
-                )
+                todo = rows.lengths - 1
+                needs = self.gen.needs_hidden
+                _, hidden = extend(self.target, cache, rows.tokens, todo, needs, need_logits=False)
         state = None
         if self.drafter is not None:
             state = self.drafter.start(rows.context(), cache)
@@ -351,7 +351,7 @@ class SpeculativeGenerator:
                 "batch invariance needs a Llama checkpoint on our lean runtime (--backend lean); "
                 "transformers' kernels do not give it"
             )
-        self.batch_invariant = lean and config.batch_invariant is not False
+        self.batch_invariant = lean and bool(config.batch_invariant)
         self.width = config.max_draft if self.drafter is not None else 0
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost

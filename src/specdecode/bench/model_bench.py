@@ -83,6 +83,7 @@ class ModelBenchConfig:
     device: str = "cpu"
     transformers: bool = True
     llama_cpp: bool = True
+    invariance: bool = True  # also run ours batch-invariant: divergences, cost, batch of 8
     seed: int = 0
     progress: bool = True
 
@@ -150,6 +151,9 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
     runners: list[Runner] = [
         OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
     ]
+    if cfg.invariance:
+        gen = SpeculativeGenerator(target, batch_invariant=True)
+        runners.append(OursRunner(INV_BASE, gen, "target-only", "-", {"batch_invariant": True}))
     if cfg.method is not None:
         kw: dict = {"k": cfg.k, "method": cfg.method, "policy": cfg.policy}
         if cfg.method == "ngram":
@@ -162,6 +166,10 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
         runners.append(
             OursRunner(f"ours {cfg.method} ({cfg.policy})", gen, cfg.method, cfg.policy, {"k": cfg.k})
         )
+        if cfg.invariance:
+            gen = SpeculativeGenerator(target, batch_invariant=True, **kw)
+            settings = {"k": cfg.k, "batch_invariant": True}
+            runners.append(OursRunner(_inv_method(cfg), gen, cfg.method, cfg.policy, settings))
     if cfg.transformers:
         hf = load_transformers(resolve(cfg.target, dtype), cfg.device, dtype)
         runners.append(TransformersRunner("transformers generate", hf, "generate", {}))
@@ -188,6 +196,41 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
             else:
                 runners.append(LlamaCppRunner(gguf, torch.get_num_threads(), 4096))
     return runners
+
+
+INV_BASE = "ours target-only (batch-invariant)"
+
+
+def _inv_method(cfg: ModelBenchConfig) -> str:
+    return f"ours {cfg.method} ({cfg.policy}, batch-invariant)"
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where a and b differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _batched_outputs(runner: Runner, prompts: list[list[int]], cfg: ModelBenchConfig, batch: int) -> list:
+    """Greedy outputs of `prompts` decoded `batch` at a time in one batch (seeds as in the runs)."""
+    from ..sampling import SamplingParams
+
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        params = [
+            SamplingParams(
+                temperature=cfg.temperature,
+                max_new_tokens=cfg.max_new_tokens,
+                seed=cfg.seed + i + j,
+                ignore_eos=True,
+            )
+            for j in range(len(chunk))
+        ]
+        out += [list(r.token_ids) for r in runner.gen.generate(chunk, params)]
+    return out
 
 
 def _encode(target, text: str, chat: bool) -> list[int]:
@@ -277,10 +320,35 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
             out["greedy_identical_to_ours_target_only"] = (
                 f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
             )
+            out["divergences"] = {"plain": sum(a.token_ids != b for a, b in zip(lst, ref))}
+            if cfg.invariance:
+                ref = [r.token_ids for r in rs[INV_BASE]]
+                lst = rs[_inv_method(cfg)]
+                out["divergences"]["batch_invariant"] = sum(a.token_ids != b for a, b in zip(lst, ref))
+        if cfg.invariance:
+            # tokens/s of the invariant runs over the plain ones (1.0 = free)
+            out["invariance_cost"] = {"target_only": round(rate[INV_BASE] / ours_base, 3)}
+            if cfg.method:
+                plain = rate[f"ours {cfg.method} ({cfg.policy})"]
+                out["invariance_cost"]["method"] = round(rate[_inv_method(cfg)] / plain, 3)
         return out
 
     categories = {c: {"prompts": len(ids[c]), **summary(runs[c])} for c in chosen}
+    if cfg.invariance and cfg.temperature == 0:
+        # the same prompts 8 to a batch: every output must equal its batch-of-one run
+        inv = next(r for r in runners if r.name == (_inv_method(cfg) if cfg.method else INV_BASE))
+        for c in bar(chosen, "batch of 8", enabled=cfg.progress):
+            alone = [r.token_ids for r in runs[c][inv.name]]
+            batched = _batched_outputs(inv, ids[c], cfg, 8)
+            firsts = [_first_difference(a, b) for a, b in zip(alone, batched)]
+            categories[c]["batch8_divergences"] = {
+                "runner": inv.name,
+                "prompts": sum(f is not None for f in firsts),
+                "first_difference": [f for f in firsts if f is not None],
+            }
     overall = summary({r.name: [x for c in chosen for x in runs[c][r.name]] for r in runners})
+    if "batch8_divergences" in categories[chosen[0]]:
+        overall["batch8_divergences"] = sum(categories[c]["batch8_divergences"]["prompts"] for c in chosen)
     ours_tps = overall["runners"]["ours target-only"]["tokens_per_s"]
     return {
         "kind": "model-bench",
@@ -349,6 +417,25 @@ def markdown(res: dict) -> str:
             f"Ours {cfg['method']} over transformers prompt lookup: "
             f"{ov['ours_method_vs_transformers_lookup']}x"
         )
+    if "divergences" in ov or "invariance_cost" in ov:
+        lines += [
+            "",
+            "Batch invariance (prompts whose greedy speculative output differs from target-only, "
+            "plain forward vs batch-invariant forward; the invariant runs' tokens/s over the plain ones; "
+            "prompts whose output changes when decoded 8 to a batch):",
+            "",
+            "| category | differ, plain | differ, batch-invariant | cost, target-only | cost, method "
+            "| batch of 8 differs |",
+            "|---|---|---|---|---|---|",
+        ]
+        for cat, c in [*res["categories"].items(), ("overall", ov)]:
+            d, cost = c.get("divergences", {}), c.get("invariance_cost", {})
+            b8 = c.get("batch8_divergences", "-")
+            b8 = b8["prompts"] if isinstance(b8, dict) else b8
+            lines.append(
+                f"| {cat} | {d.get('plain', '-')} | {d.get('batch_invariant', '-')} | "
+                f"{cost.get('target_only', '-')} | {cost.get('method', '-')} | {b8} |"
+            )
     return "\n".join(lines) + "\n"
 
 

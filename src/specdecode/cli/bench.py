@@ -65,6 +65,12 @@ def register(sub) -> None:
     t.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     t.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weight type (default fp32)")
     t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when it is installed")
+    t.add_argument(
+        "--no-invariance",
+        action="store_true",
+        help="skip the batch-invariant runs (by default ours target-only and ours METHOD also run with "
+        "--batch-invariant: prompts whose greedy output differs from target-only, the cost, a batch of 8)",
+    )
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--seed", type=int, default=0)
@@ -162,6 +168,7 @@ def _bench_model(args: argparse.Namespace, progress: bool) -> int:
         device=str(resolve_device(args.device)),
         transformers=not args.no_transformers,
         llama_cpp=not args.no_llama_cpp,
+        invariance=not args.no_invariance,
         seed=args.seed,
         progress=progress,
     )

@@ -44,8 +44,8 @@ class InvariantAttention:
     """One forward's attention, built once (mask, padded query buffer) and called per layer.
 
     allowed: [B or 1, T, S] bool, which cache slots each new token of each of the `batch` rows
-    attends to (S: the longest row's; one [1, T, S] for rows that share it). Queries are laid out [B, kv_heads, T * G (padded), D], row t * G + g
-    for query head kv * G + g.
+    attends to (S: the longest row's; one [1, T, S] for rows that share it). Queries are laid
+    out [B, kv_heads, T * G (padded), D], row t * G + g for query head kv * G + g.
     """
 
     def __init__(
@@ -74,17 +74,19 @@ class InvariantAttention:
         self.scale = head_dim**-0.5
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """q [B, T, H, D] (model dtype), keys/values [B, kv_heads, capacity, D] float32 (the
-        cache, capacity >= N) -> attention output [B * T, H * D] in the model dtype."""
+        """q [B, T, H, D] (model dtype); the cache's float32 keys [B, kv_heads, capacity, D] and
+        chunk-major values [chunks, B, kv_heads, KEY_CHUNK, D] (capacity >= N) -> attention
+        output [B * T, H * D] in the model dtype."""
         B, T, Hkv, G, D, M, M0, N = self.B, self.T, self.Hkv, self.G, self.D, self.M, self.M0, self.N
         BH, nc = B * Hkv, N // KEY_CHUNK
         self.q[:, :, :M].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4))
         k = keys.narrow(2, 0, N).reshape(BH, N, D)
         scores = torch.baddbmm(self.mask, self.q.view(BH, M0, D), k.transpose(1, 2), alpha=self.scale)
         p = torch.softmax(scores, dim=-1)  # [BH, M0, N]
-        v = values.narrow(2, 0, N).reshape(BH, nc, KEY_CHUNK, D)
-        per_chunk = torch.matmul(p.view(BH, M0, nc, KEY_CHUNK).transpose(1, 2), v)  # [BH, nc, M0, D]
-        out = per_chunk.cumsum(dim=1)[:, -1]  # chunks summed in position order
+        v = values[:nc].view(nc * BH, KEY_CHUNK, D)  # contiguous: no copy
+        p = p.view(BH, M0, nc, KEY_CHUNK).permute(2, 0, 1, 3).reshape(nc * BH, M0, KEY_CHUNK)
+        per_chunk = torch.bmm(p, v).view(nc, BH, M0, D)
+        out = per_chunk.cumsum(dim=0)[-1]  # chunks summed in position order
         attn = torch.empty(B, T, Hkv, G, D, dtype=self.dtype, device=q.device)
         attn.copy_(out.view(B, Hkv, M0, D)[:, :, :M].view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4))
         return attn.view(B * T, Hkv * G * D)

@@ -120,8 +120,8 @@ def _probe_row_multiple(linear: Linear) -> int:
     Measured here: oneDNN's packed bf16 GEMM with 1536 inputs takes another path for one row than
     for two or more (about 1 row in 10 comes out an ulp apart), with 576 inputs it does not; MKL's
     fp32 GEMM agrees only among row counts that are multiples of 4. A kernel that took another
-    reduction order for one of these shapes differs on many of 96 random rows (1 in 10 rows: missed with odds 4e-5), so a mismatch is
-    not missed by chance."""
+    reduction order for one of these shapes differs on many of 96 random rows (at 1 row in 10, a
+    miss has odds 4e-5)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, linear.in_features, generator=g).to(linear.weight.device, linear.dtype)
     with torch.inference_mode():

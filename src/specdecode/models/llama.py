@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
+from ..cache import KEY_CHUNK, KVCache, write_chunked
 from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
 from .invariant import InvariantAttention
@@ -343,9 +343,8 @@ class LlamaModel:
             causal = s == 0 and T > 1 and _SDPA_GQA
             mask = None
             if inv and not causal:
-                allowed = (
-                    torch.arange(S, device=dev).view(1, 1, S)
-                    <= torch.arange(s, S, device=dev).view(1, T, 1)
+                allowed = torch.arange(S, device=dev).view(1, 1, S) <= torch.arange(s, S, device=dev).view(
+                    1, T, 1
                 )
             elif not (T == 1 or causal):
                 mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=dev).triu_(s + 1)
@@ -386,13 +385,20 @@ class LlamaModel:
             layer_k, layer_v = cache.layer_k[i], cache.layer_v[i]  # [B, Hkv, capacity, D]
             if pos is None:
                 layer_k.narrow(2, s, T).copy_(k)
-                layer_v.narrow(2, s, T).copy_(v)
+                if inv:
+                    write_chunked(layer_v, s, v)
+                else:
+                    layer_v.narrow(2, s, T).copy_(v)
             else:  # ragged rows or a tree: one index write per layer, the checks done once above
                 layer_k[rows, :, pos] = k.transpose(1, 2).to(layer_k.dtype)
-                layer_v[rows, :, pos] = v.transpose(1, 2).to(layer_v.dtype)
-            keys, values = layer_k.narrow(2, 0, S), layer_v.narrow(2, 0, S)
-            if inv and causal:  # the float32 cache holds a copy; attend to the model-dtype k, v
+                if inv:  # chunk-major values: slot = (chunk, offset)
+                    layer_v[pos // KEY_CHUNK, rows, :, pos % KEY_CHUNK] = v.transpose(1, 2).to(layer_v.dtype)
+                else:
+                    layer_v[rows, :, pos] = v.transpose(1, 2)
+            if inv:  # the float32 cache holds a copy; a causal prefill attends to k, v as they are
                 keys, values = k, v
+            else:
+                keys, values = layer_k.narrow(2, 0, S), layer_v.narrow(2, 0, S)
             # grouped-query attention without copying K/V: fold the G query heads of each
             # kv head into the query-length axis
             if attention is not None:
