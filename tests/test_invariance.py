@@ -1,0 +1,165 @@
+"""Batch invariance (issue 17): with batch_invariant=True a token's logits do not depend on how
+many drafts or rows share the target's forward, so greedy speculative output equals target-only
+token for token in bf16 as in fp32, for every method and policy, alone, in a batch of 8 and
+admitted mid-run; and a seeded sampled row is the same alone and in a batch."""
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.cache import KEY_CHUNK, KVCache
+from specdecode.cli.generate import heads_dir
+from specdecode.models import BUNDLED, models_dir
+from specdecode.models.base import extend
+from specdecode.models.linear import Linear
+
+FAMILY = "three-kingdoms"
+present = all((models_dir() / f"{FAMILY}/{n}" / "config.json").exists() for n in ("target", "draft-64"))
+bundled = pytest.mark.skipif(not present or f"{FAMILY}/target" not in BUNDLED, reason="no bundled family")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GREEDY = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+TEXTS = ["孔明曰：「", "曹操", "玄德大喜，", "却說", "關公", "趙雲引兵", "司馬懿", "吳軍"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576)])
+def test_invariant_linear_gives_a_row_the_same_result_for_every_row_count(dtype, shape):
+    g = torch.Generator().manual_seed(1)
+    lin = Linear((torch.randn(*shape, generator=g) * 0.05).to(DTYPES[dtype]))
+    x = (torch.randn(64, shape[1], generator=g) * 2).to(DTYPES[dtype])
+    alone = torch.cat([lin(x[i : i + 1], invariant=True) for i in range(64)])
+    for n in (2, 3, 5, 8, 13, 40, 64):
+        together = torch.cat([lin(x[i : i + n], invariant=True) for i in range(0, 64, n)])
+        assert torch.equal(together, alone), n
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp32"])
+def family(request):
+    if not present:
+        pytest.skip("no bundled family")
+    dtype = DTYPES[request.param]
+    return request.param, load(f"{FAMILY}/target", dtype=dtype), load(f"{FAMILY}/draft-64", dtype=dtype)
+
+
+@bundled
+def test_invariant_forward_gives_a_token_the_same_logits_alone_in_a_block_and_beside_another_row(family):
+    _, target, _ = family
+    ids = torch.tensor([target.tokenizer.encode("孔明曰：「吾觀天象，")])
+    n, T = ids.shape[1], 6
+    other = torch.tensor([target.tokenizer.encode("曹操大怒，令許褚出戰")])
+
+    def decode(split: list[int], beside: bool) -> torch.Tensor:
+        cache = target.new_cache(1, 128, invariant=True)
+        extend(target, cache, ids, torch.tensor([n - T]), need_logits=False)
+        if beside:  # a ragged batch: another row, longer, joins this one
+            c2 = target.new_cache(1, 128, invariant=True)
+            extend(target, c2, other, torch.tensor([other.shape[1]]), need_logits=False)
+            cache.add_rows(c2)
+        out, at = [], n - T
+        for width in split:
+            rows = ids[:, at : at + width]
+            if beside:
+                rows = torch.cat([rows, torch.full_like(rows, 5)])
+            out.append(target.forward(rows, cache)[0][:1])
+            at += width
+        return torch.cat(out, 1)
+
+    alone = decode([1] * T, beside=False)
+    for split, beside in (([T], False), ([2, 4], False), ([1] * T, True), ([3, 3], True)):
+        assert torch.equal(decode(split, beside), alone), (split, beside)
+
+
+def _slots(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [layers, B, kv_heads, capacity, D] whatever the value layout."""
+    v = cache.v
+    if cache.invariant:
+        L, nc, B, H, C, D = v.shape
+        v = v.permute(0, 2, 3, 1, 4, 5).reshape(L, B, H, nc * C, D)
+    return cache.k, v
+
+
+def test_invariant_cache_moves_rows_and_paths_like_a_plain_cache():
+    g = torch.Generator().manual_seed(0)
+    caches = [KVCache(2, 3, 2, 70, 4, torch.float32, invariant=inv) for inv in (False, True)]
+    assert caches[1].capacity == 2 * KEY_CHUNK
+    k, v = torch.randn(2, 3, 2, 70, 4, generator=g), torch.randn(2, 3, 2, 70, 4, generator=g)
+    for c in caches:
+        ck, cv = _slots(c)
+        c.k[..., :70, :] = k
+        if c.invariant:
+            full = torch.zeros(2, 3, 2, c.capacity, 4)
+            full[..., :70, :] = v
+            c.v.copy_(full.view(2, 3, 2, -1, KEY_CHUNK, 4).permute(0, 3, 1, 2, 4, 5))
+        else:
+            c.v.copy_(v)
+        c.lengths[:] = 60
+        c.keep_path(torch.tensor([50, 60, 62]), [[2, 4], [], [1, 3, 5]])
+        c.select_rows(torch.tensor([2, 0]))
+        other = KVCache(2, 1, 2, 10, 4, torch.float32, invariant=c.invariant)
+        c.add_rows(other)
+        c.grow(150)
+    (pk, pv), (ik, iv) = _slots(caches[0]), _slots(caches[1])
+    assert torch.equal(pk, ik[..., : pk.shape[3], :]) and torch.equal(pv, iv[..., : pv.shape[3], :])
+    row = caches[1].row(1)
+    assert torch.equal(_slots(row)[1][:, 0], iv[:, 1])
+
+
+def _generator(target, draft, method: str, policy: str, dtype: str, **kw) -> SpeculativeGenerator:
+    if method in ("medusa", "eagle"):
+        kw["heads"] = heads_dir(f"{FAMILY}/target", method, None)
+    if method == "draft":
+        kw["draft"] = draft
+    return SpeculativeGenerator(target, method=method, policy=policy, k=4, batch_invariant=True, **kw)
+
+
+COMBOS = [("ngram", p) for p in ("fixed", "heuristic", "confidence", "optimal")] + [
+    ("draft", "fixed"),
+    ("early-exit", "fixed"),
+    ("medusa", "fixed"),
+    ("eagle", "fixed"),
+    ("eagle", "confidence"),
+]
+
+
+@bundled
+@pytest.mark.parametrize(("method", "policy"), COMBOS)
+def test_greedy_speculative_equals_target_only_alone_in_a_batch_of_8_and_admitted(family, method, policy):
+    name, target, draft = family
+    base = SpeculativeGenerator(target, batch_invariant=True)
+    want = [base.generate(t, GREEDY)[0].token_ids for t in TEXTS]
+    gen = _generator(target, draft, method, policy, name)
+    alone = [gen.generate(t, GREEDY)[0].token_ids for t in TEXTS[:3]]
+    assert alone == want[:3]
+    assert [r.token_ids for r in gen.generate(TEXTS, GREEDY)] == want
+    run = gen.stream(TEXTS[:2], GREEDY)
+    for _ in range(3):
+        next(run)
+    run.add(TEXTS[5], GREEDY)
+    assert [r.token_ids for r in run.results()] == [want[0], want[1], want[5]]
+
+
+@bundled
+def test_seeded_sampled_row_is_the_same_alone_and_in_a_batch(family):
+    _, target, draft = family
+    gen = SpeculativeGenerator(target, draft=draft, k=3, batch_invariant=True)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=40, seed=100 + i) for i in range(len(TEXTS))]
+    alone = [gen.generate(t, p)[0].token_ids for t, p in zip(TEXTS[:3], params)]
+    batch = [r.token_ids for r in gen.generate(TEXTS, params)]
+    assert batch[:3] == alone
+
+
+def test_batch_invariance_refuses_token_trees_with_a_clear_error(pair_dir):
+    target, draft = (load(p) for p in pair_dir)
+    with pytest.raises(SpecDecodeError, match="not token trees"):
+        SpeculativeGenerator(target, draft=draft, tree="2,1", batch_invariant=True)
+
+
+@bundled
+def test_without_batch_invariance_a_bf16_batch_of_8_leaves_target_only():
+    """The negative control: the plain forward is not shape-invariant in bf16, so the checks
+    above would fail without batch_invariant (measured: 3 of these 8 prompts differ)."""
+    target = load(f"{FAMILY}/target", dtype=torch.bfloat16)
+    draft = load(f"{FAMILY}/draft-64", dtype=torch.bfloat16)
+    want = [SpeculativeGenerator(target).generate(t, GREEDY)[0].token_ids for t in TEXTS]
+    got = [r.token_ids for r in SpeculativeGenerator(target, draft=draft, k=4).generate(TEXTS, GREEDY)]
+    assert got != want
