@@ -6,7 +6,7 @@ admitted mid-run; and a seeded sampled row is the same alone and in a batch."""
 import pytest
 import torch
 
-from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.cache import KEY_CHUNK, KVCache
 from specdecode.cli.generate import heads_dir
 from specdecode.models import BUNDLED, models_dir
@@ -104,30 +104,35 @@ def test_invariant_cache_moves_rows_and_paths_like_a_plain_cache():
     assert torch.equal(_slots(row)[1][:, 0], iv[:, 1])
 
 
-def _generator(target, draft, method: str, policy: str, dtype: str, **kw) -> SpeculativeGenerator:
+def _generator(target, draft, method: str, policy: str, tree: str | None, **kw) -> SpeculativeGenerator:
     if method in ("medusa", "eagle"):
         kw["heads"] = heads_dir(f"{FAMILY}/target", method, None)
     if method == "draft":
         kw["draft"] = draft
-    return SpeculativeGenerator(target, method=method, policy=policy, k=4, batch_invariant=True, **kw)
+    return SpeculativeGenerator(
+        target, method=method, policy=policy, k=4, tree=tree, batch_invariant=True, **kw
+    )
 
 
-COMBOS = [("ngram", p) for p in ("fixed", "heuristic", "confidence", "optimal")] + [
-    ("draft", "fixed"),
-    ("early-exit", "fixed"),
-    ("medusa", "fixed"),
-    ("eagle", "fixed"),
-    ("eagle", "confidence"),
+COMBOS = [("ngram", p, None) for p in ("fixed", "heuristic", "confidence", "optimal")] + [
+    ("draft", "fixed", None),
+    ("early-exit", "fixed", None),
+    ("medusa", "fixed", None),
+    ("eagle", "fixed", None),
+    ("eagle", "confidence", None),
+    ("draft", "fixed", "3,2,1"),
+    ("medusa", "fixed", "3,2,1"),
+    ("eagle", "fixed", "4,2,1"),
 ]
 
 
 @bundled
-@pytest.mark.parametrize(("method", "policy"), COMBOS)
-def test_greedy_speculative_equals_target_only_alone_in_a_batch_of_8_and_admitted(family, method, policy):
-    name, target, draft = family
+@pytest.mark.parametrize(("method", "policy", "tree"), COMBOS)
+def test_greedy_speculative_equals_target_only_alone_in_batch_of_8_and_admitted(family, method, policy, tree):
+    _, target, draft = family
     base = SpeculativeGenerator(target, batch_invariant=True)
     want = [base.generate(t, GREEDY)[0].token_ids for t in TEXTS]
-    gen = _generator(target, draft, method, policy, name)
+    gen = _generator(target, draft, method, policy, tree)
     alone = [gen.generate(t, GREEDY)[0].token_ids for t in TEXTS[:3]]
     assert alone == want[:3]
     assert [r.token_ids for r in gen.generate(TEXTS, GREEDY)] == want
@@ -146,12 +151,6 @@ def test_seeded_sampled_row_is_the_same_alone_and_in_a_batch(family):
     alone = [gen.generate(t, p)[0].token_ids for t, p in zip(TEXTS[:3], params)]
     batch = [r.token_ids for r in gen.generate(TEXTS, params)]
     assert batch[:3] == alone
-
-
-def test_batch_invariance_refuses_token_trees_with_a_clear_error(pair_dir):
-    target, draft = (load(p) for p in pair_dir)
-    with pytest.raises(SpecDecodeError, match="not token trees"):
-        SpeculativeGenerator(target, draft=draft, tree="2,1", batch_invariant=True)
 
 
 @bundled

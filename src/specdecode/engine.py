@@ -352,11 +352,6 @@ class SpeculativeGenerator:
                 "transformers' kernels do not give it"
             )
         self.batch_invariant = lean and bool(config.batch_invariant)
-        if self.batch_invariant and self.tree is not None:
-            raise SpecDecodeError(
-                "batch invariance covers chains, not token trees yet (a tree node's ancestors sit at "
-                "other cache slots than in a chain); drop --tree or --batch-invariant"
-            )
         self.width = config.max_draft if self.drafter is not None else 0
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost

@@ -22,13 +22,20 @@ This attention fixes every reduction's order per query:
   the chunks past its end.
 
 So the reduction over keys is fixed by the keys' absolute positions, never by how many queries
-or keys the call has. Token trees are not covered: a tree node's ancestors sit at other cache
-slots than the same tokens in a chain, so the scan visits them in another order.
+or keys the call has.
+
+Token trees: a node's ancestors sit at other cache slots than the same tokens in a chain
+(slot L + node index instead of L + depth). Given `order` (for each node, the slot of each
+logical position), the scores are gathered into logical order before the softmax, and the
+chunks from the row's length on are multiplied per node with its own values gathered in logical
+order (one GEMM of 4 rows per node and chunk, the same result per row as the chain's wider GEMM),
+so a node's attention equals that of the same tokens verified as a chain.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..cache import KEY_CHUNK, chunked
 
@@ -56,7 +63,13 @@ class InvariantAttention:
         group: int,
         head_dim: int,
         dtype: torch.dtype,
+        order: torch.Tensor | None = None,
+        logical_allowed: torch.Tensor | None = None,
+        shared_chunks: int = 0,
     ) -> None:
+        """order [B, T, N] long, logical_allowed [B, T, N] bool, shared_chunks: for a token
+        tree, each node's slot of every logical position, which logical positions it sees, and
+        how many leading chunks hold committed tokens only (the same for every node)."""
         Bm, T, S = allowed.shape
         B = batch
         self.B, self.T, self.Hkv, self.G, self.D, self.dtype = B, T, kv_heads, group, head_dim, dtype
@@ -72,6 +85,21 @@ class InvariantAttention:
         self.mask = mask if Bm == 1 else mask.repeat_interleave(kv_heads, dim=0)
         self.q = torch.zeros(B, kv_heads, self.M0, head_dim, dtype=torch.float32, device=dev)
         self.scale = head_dim**-0.5
+        self.order = None
+        if order is not None:
+            N, C = self.N, KEY_CHUNK
+            order = F.pad(order, (0, N - order.shape[2]), value=0)
+            seen = F.pad(logical_allowed, (0, N - logical_allowed.shape[2]), value=False)
+            rows = torch.zeros(B, self.M0, N, dtype=torch.long, device=dev)
+            rows[:, : self.M] = order.repeat_interleave(group, dim=1)
+            self.order = rows.repeat_interleave(kv_heads, dim=0)  # [BH, M0, N]
+            blocked = torch.zeros(B, self.M0, N, dtype=torch.bool, device=dev)
+            blocked[:, : self.M] = ~seen.repeat_interleave(group, dim=1)
+            self.blocked = blocked.repeat_interleave(kv_heads, dim=0)
+            self.shared = shared_chunks
+            tail = order[:, :, shared_chunks * C :]  # [B, T, nb * C] slots of the per-node chunks
+            self.tail_chunk, self.tail_offset = tail // C, tail % C
+            self.batch_index = torch.arange(B, device=dev).view(B, 1, 1)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [B, T, H, D] (model dtype); the cache's float32 keys [B, kv_heads, capacity, D] and
@@ -82,11 +110,36 @@ class InvariantAttention:
         self.q[:, :, :M].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4))
         k = keys.narrow(2, 0, N).reshape(BH, N, D)
         scores = torch.baddbmm(self.mask, self.q.view(BH, M0, D), k.transpose(1, 2), alpha=self.scale)
+        if self.order is not None:  # a tree: the scores in each node's logical key order
+            scores = scores.gather(2, self.order).masked_fill_(self.blocked, float("-inf"))
         p = torch.softmax(scores, dim=-1)  # [BH, M0, N]
-        v = values[:nc].view(nc * BH, KEY_CHUNK, D)  # contiguous: no copy
-        p = p.view(BH, M0, nc, KEY_CHUNK).permute(2, 0, 1, 3).reshape(nc * BH, M0, KEY_CHUNK)
-        per_chunk = torch.bmm(p, v).view(nc, BH, M0, D)
+        shared = nc if self.order is None else self.shared
+        per_chunk = []
+        if shared:
+            v = values[:shared].view(shared * BH, KEY_CHUNK, D)  # contiguous: no copy
+            ps = p.view(BH, M0, nc, KEY_CHUNK)[:, :, :shared]
+            ps = ps.permute(2, 0, 1, 3).reshape(shared * BH, M0, KEY_CHUNK)
+            per_chunk.append(torch.bmm(ps, v).view(shared, BH, M0, D))
+        if shared < nc:
+            per_chunk.append(self._per_node_chunks(p, values, nc - shared))
+        per_chunk = per_chunk[0] if len(per_chunk) == 1 else torch.cat(per_chunk)
         out = per_chunk.cumsum(dim=0)[-1]  # chunks summed in position order
         attn = torch.empty(B, T, Hkv, G, D, dtype=self.dtype, device=q.device)
         attn.copy_(out.view(B, Hkv, M0, D)[:, :, :M].view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4))
         return attn.view(B * T, Hkv * G * D)
+
+    def _per_node_chunks(self, p: torch.Tensor, values: torch.Tensor, nb: int) -> torch.Tensor:
+        """Weights x values for a tree's last nb chunks, per node with its own values in logical
+        order: [nb, BH, M0, D]."""
+        B, T, Hkv, G, D, M, M0 = self.B, self.T, self.Hkv, self.G, self.D, self.M, self.M0
+        BH, C, R = B * Hkv, KEY_CHUNK, ROW_MULTIPLE
+        # each node's G rows, padded to R, over the last nb chunks: [nb, BH, T, R, C]
+        pt = p.new_zeros(BH, T, -(-G // R) * R, nb * C)
+        pt[:, :, :G] = p[:, :M, -nb * C :].view(BH, T, G, nb * C)
+        Gp = pt.shape[2]
+        pt = pt.view(BH, T, Gp, nb, C).permute(3, 0, 1, 2, 4).reshape(nb * BH * T, Gp, C)
+        # each node's values in logical order: [B, T, nb*C, Hkv, D] -> [nb, B, Hkv, T, C, D]
+        vt = values[self.tail_chunk, self.batch_index, :, self.tail_offset]
+        vt = vt.view(B, T, nb, C, Hkv, D).permute(2, 0, 4, 1, 3, 5).reshape(nb * BH * T, C, D)
+        out = torch.bmm(pt, vt).view(nb, BH, T, Gp, D)[:, :, :, :G].reshape(nb, BH, M, D)
+        return F.pad(out, (0, 0, 0, M0 - M))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache import KEY_CHUNK, KVCache, write_chunked
+from ..cache import KEY_CHUNK, KVCache, chunked, write_chunked
 from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
 from .invariant import InvariantAttention
@@ -158,6 +158,29 @@ def _rms_norm(
     else:
         sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
     return (x * scaled_weight).mul_(sum_sq.add_(d_eps).rsqrt_())
+
+
+def _tree_order(tree_mask: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, S: int) -> dict:
+    """For the invariant attention over a token tree written at slots lengths[b] + node: each
+    node's slot of every logical position (committed tokens, then its ancestors by depth), which
+    logical positions it sees, and how many leading key chunks are committed in every row."""
+    B, T = positions.shape
+    dev = lengths.device
+    N = chunked(S)
+    mask = tree_mask[:, :T].cpu()
+    depth = mask.sum(1) - 1  # ancestors (and itself) seen past the row's length
+    anc = torch.zeros(T, int(depth.max()) + 1, dtype=torch.long)
+    for t in range(T):
+        nodes = mask[t].nonzero().flatten()
+        anc[t, depth[nodes]] = nodes  # the ancestor at each depth
+    anc, depth = anc.to(dev), depth.to(dev)
+    j = torch.arange(N, device=dev).view(1, 1, N)
+    L = lengths.view(B, 1, 1)
+    rel = (j - L).clamp(0, anc.shape[1] - 1).expand(B, T, N)  # depth of logical position j
+    ancestor = anc.unsqueeze(0).expand(B, T, -1).gather(2, rel)
+    order = torch.where(j < L, j, L + ancestor)
+    seen = j <= L + depth.view(1, T, 1)
+    return {"order": order, "logical_allowed": seen, "shared_chunks": int(lengths.min()) // KEY_CHUNK}
 
 
 class LlamaModel:
@@ -370,9 +393,10 @@ class LlamaModel:
                 )
                 mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
             rows = torch.arange(B, device=dev).view(B, 1).expand(B, T)
-        attention = (
-            InvariantAttention(allowed, B, Hkv, G, D, self.dtype) if allowed is not None and inv else None
-        )
+        attention = None
+        if inv and allowed is not None:
+            tree = {} if tree_mask is None else _tree_order(tree_mask, cache.lengths, positions, S)
+            attention = InvariantAttention(allowed, B, Hkv, G, D, self.dtype, **tree)
         x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
         d_eps = c.hidden_size * c.rms_norm_eps
