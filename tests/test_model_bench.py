@@ -59,12 +59,19 @@ def test_bench_on_any_model_reports_every_category_with_greedy_identity(imported
     ov = res["overall"]
     assert set(ov["runners"]) == {
         "ours target-only",
+        "ours target-only (batch-invariant)",
         "ours ngram (fixed)",
+        "ours ngram (fixed, batch-invariant)",
         "transformers generate",
         "transformers prompt lookup (k=4)",
     }
-    assert ov["greedy_identical_to_transformers"] == {"ours target-only": "3/3", "ours ngram (fixed)": "3/3"}
+    assert ov["greedy_identical_to_transformers"]["ours ngram (fixed)"] == "3/3"
     assert ov["greedy_identical_to_ours_target_only"] == "3/3"
+    # the batch-invariant pair: per category and overall, divergences, cost and a batch of 8
+    assert ov["divergences"] == {"plain": 0, "batch_invariant": 0}
+    assert set(ov["invariance_cost"]) == {"target_only", "method"}
+    assert ov["batch8_divergences"] == 0
+    assert res["categories"]["qa"]["batch8_divergences"]["prompts"] == 0
     assert ov["runners"]["ours target-only"]["tokens"] == 3 * 8
     rt = res["runtime"]
     assert rt["verification_cost"] > 0 and rt["memory_floor_tokens_per_s"] > 0
@@ -97,8 +104,9 @@ def test_bench_category_filter_and_limit(imported, tmp_path, capsys):
     )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
+    assert "divergences" not in res["overall"]  # no method: nothing to diverge
     assert list(res["categories"]) == ["qa"] and res["categories"]["qa"]["prompts"] == 1
-    assert list(res["overall"]["runners"]) == ["ours target-only"]
+    assert list(res["overall"]["runners"]) == ["ours target-only", "ours target-only (batch-invariant)"]
 
 
 @pytest.mark.parametrize(

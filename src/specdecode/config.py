@@ -29,7 +29,7 @@ class SpecConfig:
     batch_invariant: run the target's batch-invariant forward, so that a token's logits do not
     depend on how many drafts or rows share a forward (greedy speculative output then equals
     target-only token for token in bf16 too; our lean runtime only; off by default: it costs
-    10-15% of tokens/s on this CPU, see docs/batch-invariance.md)."""
+    about 14% of tokens/s in bf16 on this CPU, see docs/batch-invariance.md)."""
 
     method: str | None = None
     k: int = 4

@@ -94,7 +94,7 @@ def register(sub) -> None:
         action="store_true",
         help="a token's logits do not depend on how many drafts or rows share the target's forward: "
         "greedy speculative output equals target-only token for token in bf16 too (lean runtime, CPU; "
-        "costs about 10-15%% of tokens/s here, see docs/batch-invariance.md)",
+        "costs about 14%% of tokens/s in bf16 here, see docs/batch-invariance.md)",
     )
     g.add_argument(
         "--backend",
