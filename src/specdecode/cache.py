@@ -42,10 +42,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         invariant: bool = False,
     ) -> None:
-        # invariant: the batch-invariant forward reads this cache (see models/invariant.py); its
-        # keys and values are kept in float32 (an exact copy of what the projections produced)
-        # and its capacity is a whole number of the attention's key chunks
-        self.invariant = invariant
+        self.invariant = invariant  # see the class docstring
         if invariant:
             dtype = torch.float32
             capacity = chunked(capacity)

@@ -18,6 +18,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..errors import SpecDecodeError
+
 
 @functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
@@ -132,7 +134,7 @@ def _probe_row_multiple(linear: Linear) -> int:
                 for m in (r, 3 * r)
             ):
                 return r
-    raise RuntimeError(
-        f"no row padding makes this {linear.layout} {linear.dtype} product row-invariant; "
-        "run without batch invariance"
+    raise SpecDecodeError(
+        f"no row padding makes this machine's {linear.layout} {linear.dtype} product row-invariant; "
+        "run without --batch-invariant"
     )
