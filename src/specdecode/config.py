@@ -23,7 +23,8 @@ class SpecConfig:
     decoding; k: draft tokens per round (the start for adaptive policies); policy: fixed,
     heuristic, confidence or optimal; tree: a TokenTree or its spec ('3,2,1' or JSON choices),
     verified in one forward (fixed policy only). Method options: exit_layer (early-exit),
-    ngram_max / ngram_min (ngram), heads (medusa / eagle: a directory or loaded heads).
+    ngram_max / ngram_min (ngram), heads (medusa / eagle / eagle3 / auto: a directory or loaded
+    heads), suffix_max (suffix / auto: the longest draft a suffix match may make, default 16).
     Policy options: confidence_threshold, max_k (heuristic / optimal), cost_model (optimal: a
     CostModel or a JSON file; default: measured once per generator on its first batch).
     batch_invariant: run the target's batch-invariant forward, so that a token's logits do not
@@ -43,6 +44,7 @@ class SpecConfig:
     max_k: int | None = None
     cost_model: Any = None
     batch_invariant: bool | None = None
+    suffix_max: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):
@@ -57,6 +59,8 @@ class SpecConfig:
             raise SpecDecodeError(
                 f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
             )
+        if not isinstance(self.suffix_max, int) or self.suffix_max < 1:
+            raise SpecDecodeError(f"suffix_max must be an integer >= 1, got {self.suffix_max!r}")
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
         if self.tree is not None:
@@ -71,6 +75,7 @@ class SpecConfig:
             return 0
         if self.tree is not None:
             return self.tree.size
-        if self.policy in ("heuristic", "optimal"):
-            return adaptive_max_k(self.k, self.max_k)
-        return self.k
+        k = adaptive_max_k(self.k, self.max_k) if self.policy in ("heuristic", "optimal") else self.k
+        if self.method in ("suffix", "auto"):  # a long suffix match drafts up to suffix_max
+            return max(k, self.suffix_max)
+        return k

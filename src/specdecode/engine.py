@@ -153,12 +153,14 @@ class Generation:
 
     def _target_inputs(self, proposal: Proposal) -> tuple[torch.Tensor, ForwardMeta]:
         tokens = torch.cat([self.rows.pending(), proposal.tokens], 1)
-        hidden = self.gen.needs_hidden
+        hidden, aux = self.gen.needs_hidden, self.gen.aux_layers
         if proposal.tree is None:
-            return tokens, (WITH_HIDDEN if hidden else PLAIN)
+            if not hidden:
+                return tokens, PLAIN
+            return tokens, (WITH_HIDDEN if aux is None else ForwardMeta(return_hidden=True, aux_layers=aux))
         depths, mask = self.gen.tree_layout
         positions = self.cache.lengths.view(-1, 1) + depths.view(1, -1)
-        return tokens, ForwardMeta(positions=positions, tree_mask=mask, return_hidden=hidden)
+        return tokens, ForwardMeta(positions=positions, tree_mask=mask, return_hidden=hidden, aux_layers=aux)
 
     def _commit(self, verdict: Verdict, hidden: torch.Tensor | None) -> None:
         rows, cache, drafter = self.rows, self.cache, self.drafter
@@ -191,9 +193,15 @@ class Generation:
     def add(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Admit a row between rounds: prefilled on its own, then decoded with the others.
         Returns its row id, its index in results()."""
-        (ids,), (p,) = self.gen._prepare([prompt], params)
+        return self.add_many([prompt], params)[0]
+
+    def add_many(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[int]:
+        """Admit several rows at once (one prefill, one copy of the caches); their row ids."""
+        ids, plist = self.gen._prepare(list(prompts), params)
         with torch.inference_mode():
-            rows, cache, state = self._start([ids], [p])
+            rows, cache, state = self._start(ids, plist)
             if self.rows.size == 0:
                 self.rows, self.cache, self.state = rows, cache, state
             else:
@@ -201,8 +209,8 @@ class Generation:
                 self.cache.add_rows(cache)
                 if self.drafter is not None:
                     self.drafter.add_rows(self.state, state)
-        self.policy.add_rows(1)
-        return rows.ids[0]
+        self.policy.add_rows(len(ids))
+        return list(rows.ids)
 
     def results(self) -> list[GenerationResult]:
         """Run to the end; every row's result, in admission order (the row ids)."""
@@ -230,7 +238,10 @@ class Generation:
             else:
                 todo = rows.lengths - 1
                 needs = self.gen.needs_hidden
-                _, hidden = extend(self.target, cache, rows.tokens, todo, needs, need_logits=False)
+                aux = self.gen.aux_layers
+                _, hidden = extend(
+                    self.target, cache, rows.tokens, todo, needs, need_logits=False, aux_layers=aux
+                )
         state = None
         if self.drafter is not None:
             state = self.drafter.start(rows.context(), cache)
@@ -253,7 +264,8 @@ class Generation:
                 continue
             row = cache.row(b)
             lengths = torch.tensor([n], device=rows.lengths.device)
-            _, h = extend(self.target, row, rows.tokens[b : b + 1], lengths, self.gen.needs_hidden, False)
+            needs, aux = self.gen.needs_hidden, self.gen.aux_layers
+            _, h = extend(self.target, row, rows.tokens[b : b + 1], lengths, needs, False, aux)
             cache.lengths[b] = n
             hiddens.append(h)
         if not self.gen.needs_hidden:
@@ -355,6 +367,12 @@ class SpeculativeGenerator:
         self.width = config.max_draft if self.drafter is not None else 0
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost
+
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose inputs the drafter reads instead of the final hidden states
+        (EAGLE-3); None: the final hidden states."""
+        return getattr(self.drafter, "aux_layers", None)
 
     @property
     def k(self) -> int:

@@ -84,6 +84,7 @@ class ModelBenchConfig:
     transformers: bool = True
     llama_cpp: bool = True
     invariance: bool = True  # also run ours batch-invariant: divergences, cost, batch of 8
+    tree: str | None = None  # a token tree for the method (e.g. 4,2,1)
     seed: int = 0
     progress: bool = True
 
@@ -106,7 +107,12 @@ class ModelBenchConfig:
         from ..drafters import DRAFTERS
 
         SpecConfig(
-            method=cfg.method, k=cfg.k, policy=cfg.policy, ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min
+            method=cfg.method,
+            k=cfg.k,
+            policy=cfg.policy,
+            ngram_max=cfg.ngram_max,
+            ngram_min=cfg.ngram_min,
+            tree=cfg.tree,
         )
         if cfg.method is not None and cfg.method not in DRAFTERS:
             raise SpecDecodeError(f"unknown --method {cfg.method!r}; choose one of {', '.join(DRAFTERS)}")
@@ -146,7 +152,7 @@ def _gguf_of(target: str, path: Path) -> Path | None:
 
 
 def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Runner]:
-    from ..cli.generate import heads_dir
+    from ..cli.generate import method_heads
 
     runners: list[Runner] = [
         OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
@@ -160,8 +166,11 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
             kw.update(ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min)
         if cfg.draft:
             kw["draft"] = load(cfg.draft, dtype=dtype, device=cfg.device)
-        if cfg.method in ("medusa", "eagle"):
-            kw["heads"] = heads_dir(cfg.target, cfg.method, cfg.heads)
+        heads = method_heads(cfg.target, cfg.method, cfg.heads)
+        if heads is not None:
+            kw["heads"] = heads
+        if cfg.tree:
+            kw["tree"] = cfg.tree
         gen = SpeculativeGenerator(target, **kw)
         runners.append(
             OursRunner(f"ours {cfg.method} ({cfg.policy})", gen, cfg.method, cfg.policy, {"k": cfg.k})
@@ -350,6 +359,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     if "batch8_divergences" in categories[chosen[0]]:
         overall["batch8_divergences"] = sum(categories[c]["batch8_divergences"]["prompts"] for c in chosen)
     ours_tps = overall["runners"]["ours target-only"]["tokens_per_s"]
+    targets = drafter_targets(cfg, categories)
     return {
         "kind": "model-bench",
         "config": asdict(cfg),
@@ -372,8 +382,40 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         },
         "categories": categories,
         "overall": overall,
+        "targets": targets,
         "runners": [r.name for r in runners],
     }
+
+
+# the trained-drafter targets (issue: drafters for real models), per method and temperature:
+# (what, category or "mt_bench", threshold)
+TARGETS = {
+    ("eagle3", True): [("tau", "mt_bench", 2.5), ("speedup", "mt_bench", 2.0)],
+    ("eagle3", False): [("tau", "mt_bench", 2.0), ("speedup", "mt_bench", 1.6)],
+    ("auto", True): [("speedup", "summarization", 2.5), ("speedup", "rag", 2.5)],
+}
+
+
+def drafter_targets(cfg: ModelBenchConfig, categories: dict) -> list[dict]:
+    """The method's targets measured here: tau (tokens per target forward) or the speed-up over
+    ours target-only, in the category named, with the threshold and whether it is met."""
+    out = []
+    name = f"ours {cfg.method} ({cfg.policy})"
+    for what, cat, threshold in TARGETS.get((cfg.method, cfg.temperature == 0), []):
+        if cat not in categories:
+            continue
+        c = categories[cat]
+        value = c["runners"][name]["tau"] if what == "tau" else c["speedup_vs_ours_target_only"][name]
+        out.append(
+            {
+                "metric": what,
+                "category": cat,
+                "value": value,
+                "target": threshold,
+                "met": value is not None and value >= threshold,
+            }
+        )
+    return out
 
 
 def markdown(res: dict) -> str:
@@ -401,6 +443,9 @@ def markdown(res: dict) -> str:
             cells.append(f"{r['tokens_per_s']:.1f} tok/s, τ {r['tau']}, {sp:.2f}x")
         lines.append(f"| {cat} | {c['prompts']} | " + " | ".join(cells) + " |")
     lines += ["", "Speed-ups are over ours target-only. τ: tokens per target forward."]
+    for t in res.get("targets", []):
+        mark = "met" if t["met"] else "MISSED"
+        lines.append(f"Target: {t['metric']} on {t['category']} {t['value']} (>= {t['target']}): {mark}")
     ov = res["overall"]
     if "greedy_identical_to_transformers" in ov:
         lines.append(

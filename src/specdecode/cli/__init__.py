@@ -6,10 +6,36 @@ from __future__ import annotations
 import sys
 
 from ..errors import SpecDecodeError
-from . import bench, demo, generate, import_gguf, init_model, lab, model_card, plan, train, train_heads
+from . import (
+    bench,
+    demo,
+    distill_data,
+    export,
+    generate,
+    import_gguf,
+    init_model,
+    lab,
+    model_card,
+    plan,
+    train,
+    train_heads,
+)
 from .common import Parser
 
-COMMANDS = (generate, import_gguf, init_model, train, model_card, demo, train_heads, lab, plan, bench)
+COMMANDS = (
+    generate,
+    import_gguf,
+    init_model,
+    train,
+    model_card,
+    demo,
+    distill_data,
+    train_heads,
+    export,
+    lab,
+    plan,
+    bench,
+)
 # optional libraries and the extra that installs each
 EXTRAS = {
     "gguf": "gguf",

@@ -53,8 +53,15 @@ def register(sub) -> None:
         "--target", metavar="MODEL", help="known name (smollm2-135m), bundled name or model directory"
     )
     t.add_argument("--draft", metavar="MODEL", help="draft model (method draft; adds transformers assisted)")
-    t.add_argument("--method", help="drafting method: draft, ngram, early-exit, medusa, eagle")
-    t.add_argument("--heads", metavar="DIR", help="medusa / eagle drafter directory")
+    t.add_argument(
+        "--method", help="drafting method: draft, ngram, early-exit, medusa, eagle, eagle3, suffix, auto"
+    )
+    t.add_argument(
+        "--heads",
+        metavar="DIR",
+        help="medusa / eagle / eagle3 drafter (default: the bundled one for the target)",
+    )
+    t.add_argument("--tree", metavar="CHOICES", help="verify a token tree drafted by --method (e.g. 4,2,1)")
     t.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
     t.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
     t.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
@@ -92,7 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.scaling or args.family:
             raise SpecDecodeError("--target benchmarks one model; drop --scaling / --family")
         return _bench_model(args, progress)
-    for flag in ("draft", "method", "heads", "category", "limit", "chat"):
+    for flag in ("draft", "method", "heads", "tree", "category", "limit", "chat"):
         if getattr(args, flag):
             raise SpecDecodeError(f"--{flag} needs --target MODEL")
     prompts_per_set = None
@@ -154,6 +161,7 @@ def _bench_model(args: argparse.Namespace, progress: bool) -> int:
         draft=args.draft,
         method=args.method,
         heads=args.heads,
+        tree=args.tree,
         k=args.k,
         policy=args.policy,
         ngram_max=args.ngram_max,

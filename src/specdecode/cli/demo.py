@@ -11,15 +11,18 @@ from ..errors import SpecDecodeError
 def register(sub) -> None:
     d = sub.add_parser(
         "demo",
-        help="speculative decoding on the bundled model pairs, coloured, with the measured speed-up",
-        description="Run the bundled three-kingdoms and python-code pairs: stream the text with each token "
-        "coloured by how it was produced (accepted draft / resampled / bonus), then a table of acceptance, "
-        "tokens per target forward, the formula (1 - a^(k+1))/(1 - a), and the wall-clock speed-up over "
-        "target-only decoding measured in the same run.",
+        help="chat with SmolLM2-135M made faster: coloured tokens and the measured speed-up",
+        description="Chat with smollm2-135m (bf16): stream an answer drafted by the bundled EAGLE-3 drafter, "
+        "each token coloured by how it was produced (accepted draft / resampled / bonus), then a table of "
+        "target-only decoding against eagle3, ngram (prompt lookup) and auto (suffix match or EAGLE-3, per "
+        "round) on a few prompts: tokens/s, tokens per target forward and the wall-clock speed-up, measured "
+        "in the same run. --lesson: the lesson's bundled three-kingdoms and python-code pairs instead, with "
+        "acceptance and the formula (1 - a^(k+1))/(1 - a).",
     )
+    d.add_argument("--lesson", action="store_true", help="run the lesson's bundled model pairs instead")
     d.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
-    d.add_argument("--max-new-tokens", type=int, default=96)
-    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--max-new-tokens", type=int, help="tokens per answer (default 128; --lesson 96)")
+    d.add_argument("--temperature", type=float, help="default 0 (greedy); --lesson 0.8")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--repeats", type=int, default=3, help="timed runs per decoding mode (default 3)")
     d.add_argument("--json", action="store_true", help="also print the table rows as JSON")
@@ -34,14 +37,17 @@ def _demo(args: argparse.Namespace) -> int:
         raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
     if args.repeats < 1:
         raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}")
-    SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)  # validates
-    rows = run_demo(
-        k=args.k,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        repeats=args.repeats,
-    )
+    max_new = args.max_new_tokens or (96 if args.lesson else 128)
+    temperature = args.temperature if args.temperature is not None else (0.8 if args.lesson else 0.0)
+    SamplingParams(temperature=temperature, max_new_tokens=max_new)  # validates
+    if args.lesson:
+        rows = run_demo(
+            k=args.k, max_new_tokens=max_new, temperature=temperature, seed=args.seed, repeats=args.repeats
+        )
+    else:
+        from ..demo import run_chat_demo
+
+        rows = run_chat_demo(k=args.k, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
     if args.json:
         print(json.dumps(rows))
     return 0

@@ -26,7 +26,10 @@ def register(sub) -> None:
     g.add_argument("--target", required=True, metavar="MODEL", help="bundled name or Hugging Face model dir")
     g.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
     g.add_argument(
-        "--method", help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle"
+        "--method",
+        help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle, eagle3, "
+        "suffix (SuffixDecoding: continue the longest suffix match in this and earlier requests), auto "
+        "(suffix when a long match exists, the trained EAGLE-3 drafter otherwise; decided per round)",
     )
     g.add_argument(
         "--k", type=int, default=4, help="draft tokens per round (default 4; the start for adaptive policies)"
@@ -52,7 +55,8 @@ def register(sub) -> None:
     g.add_argument(
         "--heads",
         metavar="DIR",
-        help="medusa / eagle: the trained heads or drafter (default: the bundled one next to the target)",
+        help="medusa / eagle / eagle3 / auto: the trained heads or drafter (default: the bundled one for "
+        "the target, e.g. models/smollm2-135m/eagle3)",
     )
     g.add_argument(
         "--tree",
@@ -163,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         confidence_threshold=args.confidence_threshold,
         tree=args.tree,
-        heads=heads_dir(args.target, args.method, args.heads) if args.method in ("medusa", "eagle") else None,
+        heads=method_heads(args.target, args.method, args.heads),
         cost_model=cost_model,
         batch_invariant=args.batch_invariant or None,
     )
@@ -235,6 +239,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def method_heads(target: str, method: str | None, heads: str | None) -> Path | None:
+    """The trained drafter a method reads: required for medusa, eagle and eagle3; for auto the
+    bundled (or given) EAGLE-3 drafter when there is one."""
+    if method in ("medusa", "eagle", "eagle3"):
+        return heads_dir(target, method, heads)
+    if method == "auto":
+        try:
+            return heads_dir(target, "eagle3", heads)
+        except SpecDecodeError:
+            return None
+    if heads:
+        raise SpecDecodeError(f"--heads is read by methods medusa, eagle, eagle3 and auto, not {method!r}")
+    return None
+
+
 def heads_dir(target: str, method: str, heads: str | None) -> Path:
     """--heads, or the drafter bundled for the target (models/<family>/<method>, or
     models/<name>/<method> for a known name such as smollm2-135m)."""
@@ -244,6 +263,6 @@ def heads_dir(target: str, method: str, heads: str | None) -> Path:
         return Path(heads)
     bundled = (models_dir() / target if target in ZOO else resolve(target).parent) / method
     if not (bundled / "config.json").exists():
-        what = "Medusa heads" if method == "medusa" else "EAGLE drafter"
+        what = {"medusa": "Medusa heads", "eagle3": "EAGLE-3 drafter"}.get(method, "EAGLE drafter")
         raise SpecDecodeError(f"no {what} for {target}; pass --heads DIR (see train-heads)")
     return bundled

@@ -9,16 +9,28 @@ from ..errors import SpecDecodeError
 from .base import DraftChain, DraftContext, Drafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
+from .eagle3 import Eagle3Drafter
 from .early_exit import EarlyExitDrafter
 from .medusa import MedusaDrafter, MedusaHeads
 from .ngram import NgramDrafter
+from .suffix import AutoDrafter, SuffixDrafter
 
 if TYPE_CHECKING:
     from ..config import SpecConfig
     from ..models.base import CausalLM
 
 DRAFTERS: dict[str, type[Drafter]] = {
-    cls.name: cls for cls in (DraftModelDrafter, NgramDrafter, EarlyExitDrafter, MedusaDrafter, EagleDrafter)
+    cls.name: cls
+    for cls in (
+        DraftModelDrafter,
+        NgramDrafter,
+        EarlyExitDrafter,
+        MedusaDrafter,
+        EagleDrafter,
+        Eagle3Drafter,
+        SuffixDrafter,
+        AutoDrafter,
+    )
 }
 METHODS = tuple(DRAFTERS)
 
@@ -45,6 +57,9 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, config: SpecConfig) -
 
 __all__ = [
     "DRAFTERS",
+    "AutoDrafter",
+    "Eagle3Drafter",
+    "SuffixDrafter",
     "METHODS",
     "DraftChain",
     "DraftContext",

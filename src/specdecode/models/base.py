@@ -29,7 +29,11 @@ class ForwardMeta:
         (a prefill needs the last one only; the LM head over a long prompt is wasted work).
     need_logits: False: the forward may return None for the logits (a prefill whose logits
         nobody reads). Runtimes that ignore these two return all logits.
-    Only our lean runtime takes the tree, offset, early-exit and embedding fields.
+    aux_layers: with return_hidden, return instead the residual stream entering each of these
+        layers, concatenated: [B, T, len(aux_layers) * hidden] (EAGLE-3's low, middle and high
+        features; vLLM's convention for `eagle_aux_hidden_state_layer_ids`). Layer index
+        num_layers is the last layer's output, before the final norm.
+    Only our lean runtime takes the tree, offset, early-exit, embedding and aux-layer fields.
     """
 
     positions: torch.Tensor | None = None
@@ -41,6 +45,7 @@ class ForwardMeta:
     inputs_embeds: torch.Tensor | None = None
     logits_at: torch.Tensor | None = None
     need_logits: bool = True
+    aux_layers: tuple[int, ...] | None = None
 
 
 PLAIN = ForwardMeta()
@@ -92,6 +97,7 @@ def extend(
     lengths: torch.Tensor,
     return_hidden: bool = False,
     need_logits: bool = True,
+    aux_layers: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Bring each row's cache up to lengths[b] tokens of tokens [B, N]; return the logits [B, V]
     that follow each row's last token (None with need_logits=False) and, with return_hidden, the
@@ -110,7 +116,9 @@ def extend(
     B = tokens.shape[0]
     idx = (start.view(B, 1) + torch.arange(n, device=tokens.device).view(1, n)).clamp(max=tokens.shape[1] - 1)
     last = (todo - 1).clamp(min=0)
-    meta = ForwardMeta(return_hidden=return_hidden, logits_at=last, need_logits=need_logits)
+    meta = ForwardMeta(
+        return_hidden=return_hidden, logits_at=last, need_logits=need_logits, aux_layers=aux_layers
+    )
     logits, hidden = model.forward(tokens.gather(1, idx), cache, meta)  # [B, n or 1, V], [B, n, hidden]
     cache.rewind(lengths)
     if not need_logits or logits is None:

@@ -81,16 +81,21 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 * inter
     down: Linear  # inter -> hidden
+    # EAGLE-3's input layer: q|k|v read [attn_norm(embedding of the token), hidden_norm(x)]
+    # (2 * hidden inputs) while x, the fed feature, stays the residual
+    hidden_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         root_d = self.attn_norm.shape[0] ** 0.5  # the norms' weights times √d (see _rms_norm)
         self.attn_norm_s = self.attn_norm * root_d
         self.mlp_norm_s = self.mlp_norm * root_d
+        self.hidden_norm_s = None if self.hidden_norm is None else self.hidden_norm * root_d
 
     def num_parameters(self) -> int:
         return (
             self.attn_norm.numel()
             + self.mlp_norm.numel()
+            + (0 if self.hidden_norm is None else self.hidden_norm.numel())
             + sum(p.numel for p in (self.qkv, self.o, self.gate_up, self.down))
         )
 
@@ -242,6 +247,7 @@ class LlamaModel:
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(cat([n + ".weight" for n in mlp]), cat_opt([n + ".bias" for n in mlp])),
                     down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias")),
+                    hidden_norm=opt(p + "hidden_norm.weight"),
                 )
             )
         # RoPE tables, computed in float64 and cast once; grown on demand
@@ -400,8 +406,22 @@ class LlamaModel:
         x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
         d_eps = c.hidden_size * c.rms_norm_eps
+        aux_layers = meta.aux_layers if meta.return_hidden else None
+        aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
         for i, layer in enumerate(layers):
-            h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
+            if aux_layers is not None and i in aux_layers:
+                aux[i] = x
+            if layer.hidden_norm_s is None:
+                h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
+            else:  # EAGLE-3: the token's embedding beside the fed feature
+                e = F.embedding(tokens, self.embed).reshape(B * T, c.hidden_size)
+                h = torch.cat(
+                    [
+                        _rms_norm(e, layer.attn_norm_s, d_eps, inv),
+                        _rms_norm(x, layer.hidden_norm_s, d_eps, inv),
+                    ],
+                    -1,
+                )
             qkv = layer.qkv(h, invariant=inv).view(B, T, H + 2 * Hkv, D)
             qk = qkv[:, :, : H + Hkv]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
@@ -440,10 +460,16 @@ class LlamaModel:
             gate_up = layer.gate_up(h, invariant=inv)
             act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
             x = layer.down(act, residual=x, invariant=inv)
+        if aux_layers is not None and len(layers) in aux_layers:  # the last layer's output
+            aux[len(layers)] = x
         if num_layers is None and meta.advance:
             cache.advance(T)
         x = _rms_norm(x, self._final_norm_s, d_eps, inv)
         hidden = x.view(B, T, -1) if meta.return_hidden else None
+        if aux_layers is not None:
+            if not all(i in aux for i in aux_layers):
+                raise SpecDecodeError(f"aux layers {aux_layers} are not all in 0..{len(layers)}")
+            hidden = torch.cat([aux[i] for i in aux_layers], -1).view(B, T, -1)
         if not meta.need_logits:
             return None, hidden
         if meta.logits_at is not None and T > 1:  # only the positions asked for
