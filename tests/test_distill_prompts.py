@@ -20,7 +20,7 @@ def test_no_evaluation_prompt_appears_in_the_training_prompts():
     evaluation = set()
     for line in SPEC_BENCH.read_text(encoding="utf-8").splitlines():
         evaluation.update(normal(t) for t in json.loads(line)["turns"])
-    assert len(evaluation) > 400
+    assert len(evaluation) > 250  # 180 questions; the 80 MT-bench ones have two turns
     assert not evaluation & set(train)
     # nor is any evaluation prompt contained in a training prompt (e.g. quoted inside a template)
     joined = "\n".join(train)

@@ -105,6 +105,7 @@ def test_eagle3_training_forward_is_the_drafting_forward(eagle3, pair_dir):
     drafter = Eagle3Drafter(target, drafter_dir)
     data = DistillData.open(data_dir)
     batch = _load_batch(data, data.sequences, [0], 512)
+    batch["prompt"] = torch.tensor([0])  # score every position: indices 0 .. T - 3
     T = batch["tokens"].shape[1]
     feats = drafter.fc(batch["aux"][0]).view(1, T, -1)
     nxt = torch.cat([batch["tokens"][:, 1:], batch["tokens"][:, -1:]], 1)
@@ -130,7 +131,8 @@ def test_eagle3_training_forward_is_the_drafting_forward(eagle3, pair_dir):
         trainer.loss(batch, 1)
     finally:
         torch.nn.functional.linear = real_linear
-    assert torch.allclose(seen[0][0], logits[0], atol=1e-4, rtol=1e-4)
+    assert seen[0].shape[0] == T - 2
+    assert torch.allclose(seen[0], logits[0, : T - 2], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("tree", [None, "2,2", "3,1,1"])

@@ -5,6 +5,7 @@ two-token distribution of prompt lookup at T = 1. Skipped where the package is m
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,3 +143,39 @@ def test_smollm2_bf16_ngram_greedy_equals_target_only_alone_and_batched():
     gen = SpeculativeGenerator(target, method="ngram", k=4, batch_invariant=True)
     assert [gen.generate(c, params)[0].token_ids for c in chats] == want
     assert [r.token_ids for r in gen.generate(chats, params)] == want
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "eagle3" / "config.json").exists(),
+    reason="no bundled EAGLE-3 drafter for smollm2-135m in this checkout",
+)
+@pytest.mark.parametrize("method", ["eagle3", "auto"])
+def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant(method):
+    """The bundled drafter is found by the target's name, drafts (some tokens accepted) and keeps
+    the target's greedy tokens: bf16 with --batch-invariant, alone and in a batch."""
+    from specdecode.cli.generate import method_heads
+
+    target = load("smollm2-135m", dtype=torch.bfloat16)
+    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    base = SpeculativeGenerator(target, batch_invariant=True)
+    want = [base.generate(c, params)[0].token_ids for c in chats]
+    heads = method_heads("smollm2-135m", method, None)
+    gen = SpeculativeGenerator(target, method=method, k=2, heads=heads, batch_invariant=True)
+    got = [gen.generate(c, params)[0] for c in chats]
+    assert [r.token_ids for r in got] == want
+    assert sum(r.stats.accepted for r in got) > 0
+    assert [r.token_ids for r in gen.generate(chats, params)] == want
+
+
+def test_chat_demo_runs_every_method_on_smollm2(capsys):
+    import json
+
+    from specdecode.cli import main
+
+    if not (Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "eagle3").exists():
+        pytest.skip("no bundled EAGLE-3 drafter")
+    assert main(["demo", "--max-new-tokens", "12", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["method"] for r in rows] == ["target-only", "eagle3", "ngram", "auto"]
+    assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1 for r in rows)

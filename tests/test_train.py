@@ -66,10 +66,10 @@ def test_family_trains_writes_loadable_checkpoints_and_cards(corpus, tmp_path, c
     assert "acceptance rate" in (out / "draft-64" / "MODEL_CARD.md").read_text()
     assert not (out / ".train").exists()
 
-    # the demo runs on whatever bundled pairs exist (here only this tiny three-kingdoms family)
+    # the lesson demo runs on whatever bundled pairs exist (here only this tiny three-kingdoms family)
     out.rename(tmp_path / "three-kingdoms")
     monkeypatch.setenv("SPECDECODE_MODELS", str(tmp_path))
-    assert main(["demo", "--max-new-tokens", "12", "--repeats", "1", "--json"]) == 0
+    assert main(["demo", "--lesson", "--max-new-tokens", "12", "--repeats", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["family"] for r in rows] == ["three-kingdoms"]
     assert rows[0]["tokens_per_forward"] >= 1 and rows[0]["speedup"] > 0

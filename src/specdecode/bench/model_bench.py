@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.suffix import clear_process_caches
 from ..engine import SpeculativeGenerator
 from ..errors import SpecDecodeError
 from ..models import ZOO, load, resolve
@@ -55,10 +56,31 @@ def read_prompts(source: str) -> list[dict]:
         text = text or (row.get("prompt") or row.get("text") if isinstance(row, dict) else None)
         if not isinstance(text, str) or not text:
             raise SpecDecodeError(f'{path}:{n} has no prompt; give "turns", "prompt" or "text"')
-        cat = category_of(str(row.get("category", "all")))
-        out.append({"id": row.get("question_id", row.get("id", n)), "category": cat, "text": text})
+        raw = str(row.get("category", "all"))
+        out.append(
+            {
+                "id": row.get("question_id", row.get("id", n)),
+                "category": category_of(raw),
+                "text": text,
+                "raw": raw,
+            }
+        )
     if not out:
         raise SpecDecodeError(f"{path} holds no prompts")
+    return _round_robin(out)
+
+
+def _round_robin(prompts: list[dict]) -> list[dict]:
+    """Within each reporting category, interleave its raw categories (writing, roleplay, ... for
+    mt_bench), so that the first N prompts of a category cover all of them."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for p in prompts:
+        groups.setdefault((p["category"], p["raw"]), []).append(p)
+    out = []
+    for cat in dict.fromkeys(p["category"] for p in prompts):
+        lists = [g for (c, _), g in groups.items() if c == cat]
+        for i in range(max(len(g) for g in lists)):
+            out += [g[i] for g in lists if i < len(g)]
     return out
 
 
@@ -284,6 +306,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     warm = ids[chosen[0]][0][:64]
     for r in runners:  # warm-up: one short run each
         r.run(warm, cfg.temperature, 8, cfg.seed)
+    clear_process_caches()  # suffix / auto: no timed run drafts from a warm-up's output
     runs: dict[str, dict[str, list[Run]]] = {c: {r.name: [] for r in runners} for c in chosen}
     work = [(c, i) for c in chosen for i in range(len(ids[c]))]
     for n, (c, i) in enumerate(bar(work, "benchmarking", enabled=cfg.progress)):

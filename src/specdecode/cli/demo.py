@@ -20,7 +20,7 @@ def register(sub) -> None:
         "acceptance and the formula (1 - a^(k+1))/(1 - a).",
     )
     d.add_argument("--lesson", action="store_true", help="run the lesson's bundled model pairs instead")
-    d.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    d.add_argument("--k", type=int, help="draft tokens per round (default 2; --lesson 4)")
     d.add_argument("--max-new-tokens", type=int, help="tokens per answer (default 128; --lesson 96)")
     d.add_argument("--temperature", type=float, help="default 0 (greedy); --lesson 0.8")
     d.add_argument("--seed", type=int, default=0)
@@ -33,6 +33,7 @@ def _demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
     from ..sampling import SamplingParams
 
+    args.k = args.k if args.k is not None else (4 if args.lesson else 2)
     if args.k < 1:
         raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
     if args.repeats < 1:

@@ -33,11 +33,12 @@ def register(sub) -> None:
     e.add_argument("--epochs", type=float, default=2.0, help="passes over the data (default 2)")
     e.add_argument("--max-minutes", type=float, help="stop (and finish the schedule) after this long")
     e.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
+    e.add_argument("--fp32", action="store_true", help="products in float32 (default: bfloat16 autocast)")
     h.add_argument("--heads", type=int, default=4, help="number of heads (default 4)")
     h.add_argument("--steps", type=int, default=400)
     h.add_argument("--batch-size", type=int, default=16)
     h.add_argument("--seq-len", type=int, default=128)
-    h.add_argument("--lr", type=float, default=1e-3)
+    h.add_argument("--lr", type=float, help="learning rate (default 1e-3; eagle3 3e-4)")
     h.add_argument("--limit", type=int, help="eagle3: train on the first N sequences only (a quick try)")
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--no-progress", action="store_true")
@@ -62,7 +63,7 @@ def _train_heads(args: argparse.Namespace) -> int:
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else 1e-3,
         seed=args.seed,
         progress=not args.no_progress,
     )
@@ -97,9 +98,10 @@ def _train_eagle3(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         max_minutes=args.max_minutes,
         batch_tokens=args.batch_tokens,
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else 3e-4,
         seed=args.seed,
         limit=args.limit,
+        bf16=not args.fp32,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     accs = " ".join(f"{a:.3f}" for a in meta["heldout_top1_per_step"])

@@ -79,6 +79,13 @@ def process_cache(target, max_tokens: int = 1_000_000) -> SuffixCache:
     return _CACHES[key]
 
 
+def clear_process_caches() -> None:
+    """Forget every earlier request (benchmarks call this after their warm-up runs, so that no
+    timed run drafts from a warm-up's output of the same prompt)."""
+    for cache in _CACHES.values():
+        cache.clear()
+
+
 def _match_length(seq: np.ndarray, end: int, context: np.ndarray) -> int:
     """How many tokens before seq[end] equal the context's last tokens (at most MAX_MATCH)."""
     n = min(MAX_MATCH, end, len(context))

@@ -236,3 +236,67 @@ def write_heads_card(
     card = heads_dir / "MODEL_CARD.md"
     card.write_text("\n".join(lines))
     return card
+
+
+def write_eagle3_card(heads_dir: str | Path, benches: list[str | Path]) -> Path:
+    """MODEL_CARD.md for an EAGLE-3 drafter: its training record (config.json's `specdecode`
+    section, written by train-heads) and tau and speed-up per category from `specdecode bench
+    --target ... --method eagle3 --json` runs (one per temperature)."""
+    heads_dir = Path(heads_dir)
+    cfg = json.loads((heads_dir / "config.json").read_text())
+    meta = cfg["specdecode"]
+    index = Path(meta["data"]) / "index.json"
+    data = json.loads(index.read_text()) if index.exists() else {}
+    rows = []
+    for b in benches:
+        res = json.loads(Path(b).read_text())
+        c = res["config"]
+        name = next(n for n in res["runners"] if n.startswith(f"ours {c['method']}"))
+        shape = f"tree {c['tree']}" if c.get("tree") else f"chain k = {c['k']}"
+        for cat, v in res["categories"].items():
+            rows.append(
+                f"| {cat} | {v['prompts']} | T = {c['temperature']:g} | {shape} | "
+                f"{v['runners'][name]['tau']} | {v['speedup_vs_ours_target_only'][name]:.2f}x |"
+            )
+    steps = meta["heldout_top1_per_step"]
+    lines = [
+        f"# {heads_dir.parent.name}/{heads_dir.name}",
+        "",
+        f"An EAGLE-3 drafter for `{meta['target']}`: one decoder layer over the target's fused low, "
+        f"middle and high features (layers {cfg['eagle_aux_hidden_state_layer_ids']}, vLLM's convention: "
+        "the residual "
+        f"stream entering each) and the next token's embedding, with a draft vocabulary of "
+        f"{cfg['draft_vocab_size']:,} of the target's {cfg['vocab_size']:,} tokens (`d2t` maps them back). "
+        "The checkpoint is the layout vLLM and SGLang load (`specdecode export`).",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| data | `specdecode distill-data`: the target's own answers to {data.get('prompts_file', '?')} "
+        f"({len(data.get('sequences', []))} prompts, chat template {data.get('chat')}, temperatures "
+        f"{data.get('temperatures')}, at most {data.get('max_new_tokens')} new tokens, "
+        f"{data.get('dtype')}) |",
+        f"| training sequences / tokens | {meta['train_sequences']:,} / {meta['train_tokens']:,} |",
+        f"| draft vocabulary coverage of answer tokens | {meta['draft_vocab_coverage']:.1%} |",
+        f"| training-time-test steps | {meta['ttt_steps']} |",
+        f"| steps, batch tokens, lr | {meta['steps']}, {meta['batch_tokens']}, {meta['lr']} |",
+        f"| training time (2 CPU cores) | {meta['train_seconds'] / 60:.1f} min |",
+        "| held-out top-1 agreement with the target, per step | "
+        + " / ".join(f"{a:.3f}" for a in steps)
+        + " |",
+        "",
+        "## Measured (`specdecode bench --target ... --method eagle3 --chat`, Spec-Bench, batch 1)",
+        "",
+        "| category | prompts | decoding | drafting | τ (tokens per target forward) | speed-up |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Use: `specdecode generate --target {meta['target']} --method eagle3 --chat --prompt ...` (this "
+        "drafter is found by the target's name); `--method auto` adds suffix matching. Speed-ups are over "
+        "our target-only decoding in the same process.",
+        "",
+    ]
+    card = heads_dir / "MODEL_CARD.md"
+    card.write_text("\n".join(lines))
+    return card
