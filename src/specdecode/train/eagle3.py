@@ -479,7 +479,7 @@ def write_config(out: Path, tc, data: DistillData, draft_vocab: int, meta: dict)
         "num_key_value_heads": tc.num_kv_heads,
         "head_dim": tc.head_dim,
         "num_hidden_layers": 1,
-        "rms_norm_eps": tc.rms_norm_eps,
+        "rms_norm_eps": float(f"{tc.rms_norm_eps:.6g}"),
         "rope_theta": tc.rope_theta,
         "max_position_embeddings": 8192,
         "vocab_size": tc.vocab_size,

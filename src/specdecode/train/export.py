@@ -97,11 +97,23 @@ def check_checkpoint(path: str | Path) -> dict:
     return cfg
 
 
+def _target_embeddings(target: str) -> torch.Tensor:
+    """The target's token embeddings, read from its files (no model is built)."""
+    from safetensors import safe_open
+
+    from ..models import resolve
+
+    path = resolve(target)
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if "model.embed_tokens.weight" in fh.keys():
+                return fh.get_tensor("model.embed_tokens.weight")
+    raise SpecDecodeError(f"{path} has no model.embed_tokens.weight; export with --no-embeddings")
+
+
 def export(heads: str | Path, fmt: str, out: str | Path, embeddings: bool = True) -> Path:
     """Write `heads` (a drafter from train-heads --method eagle3) to `out` for vLLM or SGLang."""
     from safetensors.torch import load_file, save_file
-
-    from ..models import load
 
     heads, out = Path(heads), Path(out)
     if fmt not in FORMATS:
@@ -119,8 +131,7 @@ def export(heads: str | Path, fmt: str, out: str | Path, embeddings: bool = True
         target = meta.get("target")
         if not target:
             raise SpecDecodeError(f"{heads}/config.json names no target; export with --no-embeddings")
-        model = load(target, dtype=torch.float16)
-        weights["embed_tokens.weight"] = model.embed.to(torch.float16).contiguous()
+        weights["embed_tokens.weight"] = _target_embeddings(target).to(torch.float16).contiguous()
     aux = cfg["eagle_aux_hidden_state_layer_ids"]
     cfg.update(
         architectures=[ARCHITECTURE],
