@@ -120,7 +120,7 @@ def test_cache_after_keeping_a_tree_path_equals_a_fresh_prefill(models):
 
 def test_tree_needs_method_draft_lean_models_and_fixed_policy(models, tmp_path):
     target, draft = models
-    with pytest.raises(SpecDecodeError, match="drafted by methods draft, medusa and eagle"):
+    with pytest.raises(SpecDecodeError, match="drafted by methods draft, medusa, eagle and eagle3"):
         SpeculativeGenerator(target, method="ngram", tree="2,2")
     with pytest.raises(SpecDecodeError, match="fixed"):
         SpeculativeGenerator(target, draft=draft, tree="2,2", policy="heuristic")
