@@ -30,7 +30,9 @@ class SpecConfig:
     batch_invariant: run the target's batch-invariant forward, so that a token's logits do not
     depend on how many drafts or rows share a forward (greedy speculative output then equals
     target-only token for token in bf16 too; our lean runtime only; off by default: it costs
-    about 14% of tokens/s in bf16 on this CPU, see docs/batch-invariance.md)."""
+    about 14% of tokens/s in bf16 on this CPU, see docs/batch-invariance.md).
+    load_costs: a LoadCosts (or its JSON file): wrap the policy in LoadAwarePolicy, which caps
+    the draft length by the running batch size's measured round costs (the server's default)."""
 
     method: str | None = None
     k: int = 4
@@ -45,6 +47,7 @@ class SpecConfig:
     cost_model: Any = None
     batch_invariant: bool | None = None
     suffix_max: int = 16
+    load_costs: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):

@@ -19,7 +19,9 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # generated tokens only
     stats: GenerationStats
-    finish_reason: str  # "length", "eos" or "stop"
+    finish_reason: str  # "length", "eos", "stop" or "abort"
+    # with SamplingParams.logprobs: per generated token (its logprob, [(alternative id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -33,6 +35,7 @@ class RowOutput:
     reason: str | None = None  # set when the row finishes
     text: str | None = None  # the text cut before a stop string
     ended: float | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def result(self, tokenizer: TextTokenizer | None) -> GenerationResult:
         st = self.stats
@@ -41,7 +44,8 @@ class RowOutput:
         text = self.text
         if text is None:
             text = tokenizer.decode(self.tokens) if tokenizer is not None else ""
-        return GenerationResult(text, list(self.tokens), st, self.reason or "length")
+        logprobs = list(self.logprobs) if self.params.logprobs is not None else None
+        return GenerationResult(text, list(self.tokens), st, self.reason or "length", logprobs)
 
 
 @dataclass
@@ -99,9 +103,11 @@ def emit(
     eos_ids: tuple[int, ...],
     tokenizer: TextTokenizer | None,
     times: tuple[float, float],
+    logprobs: list | None = None,
 ) -> tuple[list[list[int]], list[bool]]:
     """Append each row's verified tokens to its output under the stop rules, and count its
-    stats; return what each row emitted and whether it finished."""
+    stats; return what each row emitted and whether it finished. logprobs: per row, those of
+    its verified tokens (None for rows that asked for none), cut like the tokens."""
     tokens = verdict.tokens.tolist()
     n_emit = verdict.num_emitted.tolist()
     accepted = verdict.accepted.tolist()
@@ -123,6 +129,8 @@ def emit(
             if stop_text is not None:
                 reason, out.text = "stop", stop_text
         out.tokens.extend(new)
+        if logprobs is not None and logprobs[i] is not None:
+            out.logprobs.extend(logprobs[i][: len(new)])
         if reason is None and len(out.tokens) >= p.max_new_tokens:
             reason = "length"
         if reason is not None:

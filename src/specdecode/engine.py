@@ -20,7 +20,7 @@ from .errors import SpecDecodeError
 from .models.base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend
 from .models.llama import LlamaModel
 from .models.tokenizer import is_messages
-from .policy import CostModel, FixedPolicy, RoundOutcome, make_policy
+from .policy import CostModel, FixedPolicy, LoadAwarePolicy, LoadCosts, RoundOutcome, make_policy
 from .sampling import RowRandom, SamplingParams, Warp
 from .verify import Proposal, Verdict, verify_proposal
 
@@ -127,12 +127,13 @@ class Generation:
         t2 = time.perf_counter()
         # 4. verify: how many drafts each row keeps, and the one token the target adds
         verdict = verify_proposal(proposal, logits, rows.warp, rows.rng)
+        logprobs = _logprobs(logits, verdict, rows.params)
         # 5. commit: the accepted drafts stay in the caches, the tokens join the rows
         self._commit(verdict, hidden)
         # 6. emit: stop rules, stats, trace
         tok = self.target.tokenizer
         emitted, finished = emit(
-            self.outputs, rows.ids, verdict, self.target.eos_token_ids, tok, (t1 - t0, t2 - t1)
+            self.outputs, rows.ids, verdict, self.target.eos_token_ids, tok, (t1 - t0, t2 - t1), logprobs
         )
         self.policy.observe(_outcome(verdict))
         draft_tokens = proposal.tokens if proposal.tree is None else verdict.tokens[:, :-1]
@@ -142,7 +143,7 @@ class Generation:
 
     def _propose(self, limits: list[int]) -> Proposal:
         rows, drafter = self.rows, self.drafter
-        if drafter is not None and self.gen.tree is not None:
+        if drafter is not None and self.gen.tree is not None and max(limits, default=0) > 0:
             return Proposal(
                 drafter.propose_tree(self.state, rows.context(), self.gen.tree), tree=self.gen.tree
             )
@@ -211,6 +212,25 @@ class Generation:
                     self.drafter.add_rows(self.state, state)
         self.policy.add_rows(len(ids))
         return list(rows.ids)
+
+    def cancel(self, row_ids: Sequence[int]) -> None:
+        """Drop these live rows between rounds (finish reason "abort"): their slots, caches and
+        drafter state are freed now; the other rows go on untouched."""
+        drop = set(row_ids)
+        if not drop & set(self.rows.ids):
+            return
+        now = time.perf_counter()
+        for row in drop & set(self.rows.ids):
+            out = self.outputs[row]
+            out.reason, out.ended = "abort", now
+        self._retire([i for i, row in enumerate(self.rows.ids) if row not in drop])
+
+    def forget(self, row_id: int) -> None:
+        """Release a finished row's output (a long-running server calls this once it has read
+        it, so memory stays flat); results() cannot report that row afterwards."""
+        if row_id in self.rows.ids:
+            raise SpecDecodeError(f"row {row_id} is still running; cancel it first")
+        self.outputs[row_id] = None  # type: ignore[call-overload]
 
     def results(self) -> list[GenerationResult]:
         """Run to the end; every row's result, in admission order (the row ids)."""
@@ -319,6 +339,31 @@ def _along(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
     return hidden.gather(1, along.unsqueeze(-1).expand(B, width, hidden.shape[-1]))
 
 
+def _logprobs(logits: torch.Tensor, verdict: Verdict, params: list[SamplingParams]) -> list | None:
+    """Per row that asked (None for the others): each verified token's log-probability under
+    the target's own distribution (log-softmax of the verification forward's logits at the
+    position that predicted it, no temperature or filters), with the n most likely tokens."""
+    if all(p.logprobs is None for p in params):
+        return None
+    n_emit = verdict.num_emitted.tolist()
+    out: list = []
+    for b, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        n = n_emit[b]
+        pos = list(range(n)) if verdict.path is None else [0, *verdict.path[b]][:n]
+        lp = torch.log_softmax(logits[b, pos].float(), -1)
+        chosen = lp.gather(1, verdict.tokens[b, :n].view(-1, 1)).squeeze(1).tolist()
+        if p.logprobs:
+            top_v, top_i = lp.topk(p.logprobs, -1)
+            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+        else:
+            tops = [[] for _ in range(n)]
+        out.append(list(zip(chosen, tops)))
+    return out
+
+
 def _outcome(verdict: Verdict) -> RoundOutcome:
     drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
     return RoundOutcome(drafted, [min(a + 1, d) for a, d in zip(accepted, drafted)], accepted)
@@ -367,6 +412,8 @@ class SpeculativeGenerator:
         self.width = config.max_draft if self.drafter is not None else 0
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost
+        load = config.load_costs
+        self.load_costs: LoadCosts | None = LoadCosts.load(load) if isinstance(load, (str, Path)) else load
 
     @property
     def aux_layers(self) -> tuple[int, ...] | None:
@@ -390,7 +437,44 @@ class SpeculativeGenerator:
             return make_policy(SpecConfig())  # fixed, never asked: nothing to draft
         if self.config.policy == "optimal" and self.cost_model is None:
             self.cost_model = run.measure_costs(self.config.k)
-        return make_policy(self.config, self.cost_model)
+        policy = make_policy(self.config, self.cost_model)
+        if self.load_costs is not None:
+            policy = LoadAwarePolicy(policy, self.load_costs, lambda: run.rows.params)
+        return policy
+
+    def measure_load_costs(
+        self, batch_sizes: Sequence[int], prompt_tokens: int = 64, rounds: int = 4, progress=None
+    ) -> LoadCosts:
+        """Time whole rounds at each batch size with every row drafting 0, 1 and k tokens (the
+        median of `rounds` rounds after a warm-up one) on a repetitive prompt of about
+        `prompt_tokens` tokens, so that copy-based drafters (ngram, suffix) draft in full too.
+        progress(i, n) is called after each measurement. Set the result as `load_costs` (or pass
+        it as SpecConfig.load_costs) to draft by load."""
+        if self.drafter is None:
+            raise SpecDecodeError("nothing to calibrate: target-only decoding never drafts")
+        tok = self.target.tokenizer
+        if tok is not None:
+            ids = tok.encode("one two three four five six seven eight nine ten. " * 64)[:prompt_tokens]
+        else:
+            ids = (list(range(1, 17)) * 64)[:prompt_tokens]
+        k = self.config.k
+        widths = sorted({0, 1, k})
+        table: dict[int, dict[int, float]] = {}
+        todo = [(b, w) for b in batch_sizes for w in widths]
+        for i, (b, w) in enumerate(todo):
+            params = [
+                SamplingParams(temperature=0, max_new_tokens=(rounds + 2) * (w + 1), ignore_eos=True)
+            ] * b
+            scratch = Generation(self, [ids] * b, params, policy=FixedPolicy(w))
+            times = []
+            for _ in range(rounds + 1):
+                t0 = time.perf_counter()
+                next(scratch)
+                times.append(time.perf_counter() - t0)
+            table.setdefault(b, {})[w] = statistics.median(times[1:])
+            if progress is not None:
+                progress(i + 1, len(todo))
+        return LoadCosts(table)
 
     # -- inputs -------------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -427,6 +511,15 @@ class SpeculativeGenerator:
         if len(params) != len(ids):
             raise SpecDecodeError(f"got {len(ids)} prompts but {len(params)} SamplingParams")
         return ids, list(params)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (chat messages through the target's template); SpecDecodeError
+        with a one-line reason when it cannot be encoded."""
+        return self._encode(prompt)
+
+    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """SpecDecodeError when prompt + max_new_tokens (+ one round's drafts) does not fit."""
+        self._check_capacity(len(prompt_ids) + max_new_tokens + self.width + 1)
 
     def _check_capacity(self, capacity: int) -> None:
         for model in (self.target, getattr(self.drafter, "model", None)):

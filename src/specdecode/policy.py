@@ -208,3 +208,101 @@ def make_policy(config: SpecConfig, cost: CostModel | None = None):
             raise SpecDecodeError("the optimal policy needs a cost model")
         return OptimalPolicy(k, cost, config.max_k)
     raise SpecDecodeError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass
+class LoadCosts:
+    """Seconds of one whole round at several batch sizes: {batch size: {k: seconds}}, measured
+    by SpeculativeGenerator.measure_load_costs. A batch size between two measured ones is read
+    off the straight line between them (beyond the largest: the line through the last two)."""
+
+    round_s: dict[int, dict[int, float]]
+
+    def at(self, batch: int) -> CostModel:
+        sizes = sorted(self.round_s)
+        if batch in self.round_s or len(sizes) == 1:
+            b = batch if batch in self.round_s else sizes[0]
+            return CostModel(self.round_s[b], b)
+        lo = max([s for s in sizes if s < batch], default=sizes[0])
+        hi = min([s for s in sizes if s > batch], default=sizes[-1])
+        if lo == hi:  # outside the measured range: the nearest two
+            lo, hi = (sizes[0], sizes[1]) if batch < sizes[0] else (sizes[-2], sizes[-1])
+        t = (batch - lo) / (hi - lo)
+        ks = set(self.round_s[lo]) & set(self.round_s[hi])
+        costs = {k: max(1e-9, (1 - t) * self.round_s[lo][k] + t * self.round_s[hi][k]) for k in ks}
+        return CostModel(costs, batch)
+
+    def to_dict(self) -> dict:
+        return {"round_s": {str(b): {str(k): s for k, s in c.items()} for b, c in self.round_s.items()}}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> LoadCosts:
+        try:
+            d = json.loads(Path(path).read_text())["round_s"]
+            costs = {int(b): {int(k): float(s) for k, s in c.items()} for b, c in d.items()}
+            if not costs or any(0 not in c or len(c) < 2 or min(c.values()) <= 0 for c in costs.values()):
+                raise ValueError("needs positive round costs at k = 0 and some k >= 1 for each batch size")
+            return LoadCosts(costs)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpecDecodeError(
+                f"load costs {path}: unreadable ({e}); give a file written by `specdecode serve "
+                "--load-costs`, or none"
+            ) from None
+
+
+class LoadAwarePolicy:
+    """Wraps a policy for a server: each round it caps the rows' draft lengths at the one that
+    maximises the batch's expected tokens per second, Σ_b τ(α_b, min(k_b, cap)) / R_B(width),
+    where R_B is the measured round cost at the running batch size B (LoadCosts) and α_b each
+    row's own acceptance so far. cap = 0 (no drafting) is always a candidate, so when the
+    verification forward turns compute-bound at a large batch the rows stop drafting, and the
+    server is never expected to be slower than with speculation off.
+
+    Rows sampled (temperature > 0) under a seed are never capped: their draft lengths decide
+    which uniforms they draw, so capping them by load would make a seeded output depend on
+    what else is running. Greedy and unseeded rows are capped freely (exactness holds for any
+    draft length)."""
+
+    def __init__(self, inner, costs: LoadCosts, params_of) -> None:
+        self.inner, self.costs, self.params_of = inner, costs, params_of
+        self.name = f"{inner.name}+load"
+        self.stop_below = inner.stop_below
+        self.max_k = inner.max_k
+        self.rows: list[list[int]] = []  # per live row: [tested, accepted]
+        self.cap: int | None = None  # the last round's cap (None: no rows)
+
+    def add_rows(self, n: int) -> None:
+        self.inner.add_rows(n)
+        self.rows += [[0, 0] for _ in range(n)]
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self.inner.select_rows(rows)
+        self.rows = [self.rows[i] for i in rows]
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        self.inner.observe(outcome)
+        for row, t, a in zip(self.rows, outcome.tested, outcome.accepted):
+            row[0] += t
+            row[1] += a
+
+    def next_k(self) -> list[int]:
+        ks = self.inner.next_k()
+        if not ks:
+            return ks
+        params = self.params_of()
+        exempt = [p.seed is not None and p.temperature > 0 for p in params]
+        cost = self.costs.at(len(ks))
+        alphas = [min((a + 1) / (t + 2), 0.999999) for t, a in self.rows]
+        fixed_width = max([k for k, e in zip(ks, exempt) if e], default=0)
+
+        def rate(cap: int) -> float:
+            capped = [k if e else min(k, cap) for k, e in zip(ks, exempt)]
+            tokens = sum(expected_tokens_per_round(a, k) for a, k in zip(alphas, capped))
+            return tokens / cost.round_cost(max(max(capped), fixed_width))
+
+        best = max(range(max(ks) + 1), key=lambda c: (rate(c), -c))
+        self.cap = best
+        return [k if e else min(k, best) for k, e in zip(ks, exempt)]

@@ -29,6 +29,9 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # None: no logprobs; n >= 0: each emitted token's log-probability under the target's own
+    # (unwarped) distribution, plus the n most likely alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +58,8 @@ class SamplingParams:
             raise SpecDecodeError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if any(s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SpecDecodeError(f"logprobs must be in [0, 20] alternatives, got {self.logprobs}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from . import (
     lab,
     model_card,
     plan,
+    serve,
     train,
     train_heads,
 )
@@ -35,6 +36,7 @@ COMMANDS = (
     lab,
     plan,
     bench,
+    serve,
 )
 # optional libraries and the extra that installs each
 EXTRAS = {
@@ -44,6 +46,9 @@ EXTRAS = {
     "scipy": "lab",
     "jinja2": "lab",
     "rich": "lab",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
 }
 
 

@@ -1,0 +1,104 @@
+"""`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine
+loop that runs all active requests as ONE batch, admitting and retiring rows between rounds.
+
+    from specdecode.serve import Server
+    server = Server.start(gen, model_id="smollm2-135m")   # a background thread, a free port
+    print(server.url)                                     # http://127.0.0.1:PORT
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+from ..engine import SpeculativeGenerator
+from .app import create_app
+from .loop import EngineLoop
+from .metrics import Metrics
+
+__all__ = ["Server", "batch_sizes", "context_length"]
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes the load-aware policy's costs are measured at: powers of two, and max_batch."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def context_length(gen: SpeculativeGenerator, default: int = 2048) -> int:
+    """The target's context (config.json's max_position_embeddings), else `default`."""
+    limit = getattr(gen.target, "max_positions", None)
+    if limit:
+        return int(limit)
+    try:
+        cfg = json.loads((Path(gen.target.path) / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings") or default)
+    except (OSError, ValueError, TypeError):
+        return default
+
+
+class Server:
+    """The app, its engine loop, and (after start()) a uvicorn server in a background thread."""
+
+    def __init__(
+        self,
+        gen: SpeculativeGenerator,
+        model_id: str,
+        max_batch: int = 32,
+        max_queue: int = 256,
+        max_model_len: int | None = None,
+        default_max_tokens: int = 256,
+    ) -> None:
+        self.gen = gen
+        self.metrics = Metrics()
+        self.engine = EngineLoop(gen, self.metrics, max_batch, max_queue)
+        self.max_model_len = max_model_len or context_length(gen)
+        self.app = create_app(self.engine, model_id, self.max_model_len, default_max_tokens)
+        self._uvicorn = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    @classmethod
+    def start(
+        cls, gen: SpeculativeGenerator, model_id: str, host: str = "127.0.0.1", port: int = 0, **kw
+    ) -> Server:
+        server = cls(gen, model_id, **kw)
+        server.serve_in_background(host, port)
+        return server
+
+    def serve_in_background(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+        self._uvicorn = uvicorn.Server(config)
+        self.engine.start()
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        while not self._uvicorn.started and self._thread.is_alive():
+            threading.Event().wait(0.02)
+
+    def run(self, host: str, port: int) -> None:
+        """Serve in this thread until interrupted."""
+        import uvicorn
+
+        self.engine.start()
+        try:
+            uvicorn.run(self.app, host=host, port=port, log_level="info", timeout_graceful_shutdown=2)
+        finally:
+            self.engine.stop()
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            self._thread.join(timeout=10)
+        self.engine.stop()

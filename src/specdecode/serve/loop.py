@@ -1,0 +1,253 @@
+"""The engine loop: one thread owns the SpeculativeGenerator's running batch. Between rounds it
+drops the rows of cancelled requests, admits waiting requests (as many rows as the batch has
+room for, one prefill per group), then runs ONE round for every live row and hands each
+request its rows' new tokens. Nothing a request carries can stop the loop: an error inside a
+round fails the requests in that batch (HTTP 500 for them) and the loop starts a fresh batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ..engine import Generation, SpeculativeGenerator
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .protocol import APIError
+
+
+@dataclass
+class Choice:
+    """One row of a request as the handler sees it."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text: str | None = None  # the text cut before a stop string, when one ended the choice
+    stats: object | None = None  # GenerationStats once finished
+
+
+@dataclass
+class Update:
+    """What one round gave one request: per choice index, new tokens (and their logprobs)."""
+
+    tokens: dict[int, list[int]]
+    logprobs: dict[int, list]
+    finished: list[int]
+    error: APIError | None = None
+
+
+class Job:
+    """A client request: its prompt, one SamplingParams per choice, and the queue its handler
+    reads Updates from (filled from the engine thread)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: list[SamplingParams], loop: asyncio.AbstractEventLoop):
+        self.id = next(self._ids)
+        self.prompt_ids, self.params = prompt_ids, params
+        self.choices = [Choice() for _ in params]
+        self.arrived = time.perf_counter()
+        self.first_token: float | None = None
+        self.rows: list[int] = []  # engine row ids, choice i -> rows[i]
+        self.cancelled = False
+        self._loop = loop
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def put(self, update: Update) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        except RuntimeError:  # the handler's event loop is gone (server shutting down)
+            pass
+
+
+class EngineLoop:
+    """Runs the batch in a daemon thread; submit() and cancel() are safe from any thread."""
+
+    def __init__(
+        self, gen: SpeculativeGenerator, metrics: Metrics, max_batch: int = 32, max_queue: int = 256
+    ) -> None:
+        self.gen, self.metrics = gen, metrics
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.running: dict[int, tuple[Job, int]] = {}  # row id -> (request, choice index)
+        self.requests: set[Job] = set()
+        self.run: Generation | None = None
+        self._cv = threading.Condition()
+        self._stop = False
+        self.rounds = 0
+        self.thread = threading.Thread(target=self._main, name="specdecode-engine", daemon=True)
+
+    # -- from the handlers ------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self.thread.join(timeout=30)
+
+    def submit(self, req: Job) -> None:
+        if len(req.params) > self.max_batch:
+            raise APIError(
+                400, f"n = {len(req.params)} exceeds the server's --max-batch {self.max_batch}", "n"
+            )
+        with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                self.metrics.rejected.labels("queue_full").inc()
+                raise APIError(429, f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self.waiting.append(req)
+            self.metrics.waiting.set(len(self.waiting))
+            self._cv.notify()
+
+    def cancel(self, req: Job) -> None:
+        """The client went away: its rows leave the batch at the next round."""
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _main(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self.waiting and not self.running:
+                    self._cv.wait()
+                if self._stop:
+                    return
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self.running:
+                    self._round()
+            except Exception as e:  # noqa: BLE001 — the loop must survive anything
+                self._fail_all(e)
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            gone = [r for r in self.waiting if r.cancelled]
+            for r in gone:
+                self.waiting.remove(r)
+                self.metrics.request_done("abort")
+        rows = [row for row, (req, _) in self.running.items() if req.cancelled]
+        if not rows:
+            return
+        self.run.cancel(rows)
+        for row in rows:
+            req, _ = self.running.pop(row)
+            self.run.forget(row)
+            if req in self.requests and all(r not in self.running for r in req.rows):
+                self.requests.discard(req)
+                self.metrics.request_done("abort")
+        self._gauges()
+
+    def _admit(self) -> None:
+        batch: list[Job] = []
+        with self._cv:
+            room = self.max_batch - len(self.running)
+            while self.waiting and len(self.waiting[0].params) <= room:
+                req = self.waiting.popleft()
+                room -= len(req.params)
+                batch.append(req)
+        if not batch:
+            return
+        prompts = [r.prompt_ids for r in batch for _ in r.params]
+        params = [p for r in batch for p in r.params]
+        try:
+            if self.run is None:
+                self.run = self.gen.stream(prompts, params)
+                ids = list(range(len(prompts)))
+            else:
+                ids = self.run.add_many(prompts, params)
+        except Exception as e:  # noqa: BLE001 — e.g. out of memory on a long prompt
+            for r in batch:
+                r.put(Update({}, {}, [], APIError(500, f"admission failed: {e}")))
+                self.metrics.request_done("error")
+            self.run = None if not self.running else self.run
+            return
+        it = iter(ids)
+        for r in batch:
+            r.rows = [next(it) for _ in r.params]
+            for i, row in enumerate(r.rows):
+                self.running[row] = (r, i)
+            self.requests.add(r)
+            self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+        self._gauges()
+
+    def _round(self) -> None:
+        run = self.run
+        event = next(run)
+        self.rounds += 1
+        now = time.perf_counter()
+        verdict = event.verdict
+        drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
+        self.metrics.round(
+            drafted, accepted, sum(len(e) for e in event.emitted), getattr(run.policy, "cap", None)
+        )
+        updates: dict[Job, Update] = {}
+        for i, row in enumerate(event.rows):
+            req, c = self.running[row]
+            up = updates.setdefault(req, Update({}, {}, []))
+            new = event.emitted[i]
+            out = run.outputs[row]
+            choice = req.choices[c]
+            if new:
+                if req.first_token is None:
+                    req.first_token = now
+                    self.metrics.ttft.observe(now - req.arrived)
+                choice.tokens.extend(new)
+                up.tokens[c] = new
+                if out.params.logprobs is not None:
+                    lps = out.logprobs[len(choice.logprobs) :]
+                    choice.logprobs.extend(lps)
+                    up.logprobs[c] = lps
+            if event.finished[i]:
+                choice.finish_reason, choice.stop_text = out.reason, out.text
+                choice.stats = out.result(None).stats
+                up.finished.append(c)
+                del self.running[row]
+                run.forget(row)
+        for req, up in updates.items():
+            if req.done:
+                self.requests.discard(req)
+                self._finish_metrics(req, now)
+            req.put(up)
+        self._gauges()
+
+    def _finish_metrics(self, req: Job, now: float) -> None:
+        n = sum(len(c.tokens) for c in req.choices)
+        for c in req.choices:
+            self.metrics.request_done(c.finish_reason)
+        self.metrics.e2e.observe(now - req.arrived)
+        if req.first_token is not None and n > len(req.choices):
+            self.metrics.tpot.observe((now - req.first_token) / (n / len(req.choices) - 1))
+
+    def _fail_all(self, e: Exception) -> None:
+        """An error inside a round: fail every request in the batch, start a fresh one."""
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        err = APIError(500, f"the engine failed while running this request's batch: {detail}")
+        for req in list(self.requests):
+            req.put(Update({}, {}, [], err))
+            self.metrics.request_done("error")
+        self.requests.clear()
+        self.running.clear()
+        self.run = None
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.running_rows.set(len(self.running))
+        self.metrics.running.set(len(self.requests))
+        self.metrics.waiting.set(len(self.waiting))
