@@ -309,9 +309,11 @@ def create_app(
             raise APIError(400, f"{model_id} has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = encode(messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        if body.max_tokens is not None:  # checked even when max_completion_tokens wins
+            budget(ids, body.max_tokens)
+        max_tokens = budget(ids, body.max_completion_tokens or body.max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.params(budget(ids, max_tokens), logprobs)
+        params = body.params(max_tokens, logprobs)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         job = await submit(ids, params)
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_id}

