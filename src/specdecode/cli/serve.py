@@ -188,8 +188,5 @@ def _serve(args: argparse.Namespace) -> int:
         f"max batch {args.max_batch}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
-    try:
-        server.run(args.host, args.port)
-    except OSError as e:
-        raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    server.run(args.host, args.port)
     return 0

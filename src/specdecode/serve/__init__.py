@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from ..engine import SpeculativeGenerator
+from ..errors import SpecDecodeError
 from .app import create_app
 from .loop import EngineLoop
 from .metrics import Metrics
@@ -73,29 +74,47 @@ class Server:
         return server
 
     def serve_in_background(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """HTTP and the engine loop each in a background thread (tests, notebooks)."""
+        self._serve_http(host, port)
+        self.engine.start()
+
+    def _serve_http(self, host: str, port: int, log_level: str = "warning") -> None:
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise SpecDecodeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
         self.url = f"http://{host}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2)
         self._uvicorn = uvicorn.Server(config)
-        self.engine.start()
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         while not self._uvicorn.started and self._thread.is_alive():
             threading.Event().wait(0.02)
 
     def run(self, host: str, port: int) -> None:
-        """Serve in this thread until interrupted."""
-        import uvicorn
+        """Serve until interrupted (Ctrl-C or SIGTERM): HTTP in a background thread, the engine
+        loop in this one. The engine must run on the thread that loaded the model: torch's
+        OpenMP team belongs to the thread that first used it, and a second thread's team
+        competes with the first's spinning workers (measured: 1.7x slower decoding on 2 cores;
+        benchmarks/NOTES.md)."""
+        import signal
 
-        self.engine.start()
+        def terminate(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, terminate)
+        self._serve_http(host, port, log_level="info")
         try:
-            uvicorn.run(self.app, host=host, port=port, log_level="info", timeout_graceful_shutdown=2)
+            self.engine.run_here()
+        except KeyboardInterrupt:
+            pass
         finally:
-            self.engine.stop()
+            self.stop()
 
     def stop(self) -> None:
         if self._uvicorn is not None:

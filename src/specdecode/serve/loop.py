@@ -91,11 +91,17 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
+    def run_here(self) -> None:
+        """Run the loop in the calling thread until stop() (or KeyboardInterrupt)."""
+        self.thread = threading.current_thread()
+        self._main()
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self.thread.join(timeout=30)
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(timeout=30)
 
     def submit(self, req: Job) -> None:
         if len(req.params) > self.max_batch:
@@ -125,7 +131,7 @@ class EngineLoop:
         while True:
             with self._cv:
                 while not self._stop and not self.waiting and not self.running:
-                    self._cv.wait()
+                    self._cv.wait(timeout=0.5)  # wakes for Ctrl-C in the main thread
                 if self._stop:
                     return
             try:
