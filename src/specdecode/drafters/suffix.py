@@ -137,20 +137,27 @@ class SuffixState:
 
 
 class SuffixDrafter(Drafter):
-    """Drafts up to max(limits[b], max_tokens) tokens per row from the suffix match; a row
-    without a match drafts nothing that round. Each finished row's prompt and output join the
+    """Drafts up to max(limits[b], max_tokens) tokens per row from the suffix match (only
+    limits[b] when a policy caps the row below the configured k, e.g. the server's load-aware
+    cap); a row without a match drafts nothing that round. Each finished row's prompt and output join the
     process's cache, so later requests can draft from them."""
 
     name = "suffix"
 
     def __init__(
-        self, cache: SuffixCache | None, max_tokens: int = 16, factor: float = 1.0, min_prob: float = 0.1
+        self,
+        cache: SuffixCache | None,
+        max_tokens: int = 16,
+        factor: float = 1.0,
+        min_prob: float = 0.1,
+        k: int = 1,
     ) -> None:
         self.cache, self.max_tokens, self.factor, self.min_prob = cache, max_tokens, factor, min_prob
+        self.k = k
 
     @classmethod
     def create(cls, target, draft, config) -> SuffixDrafter:
-        return cls(process_cache(target), config.suffix_max)
+        return cls(process_cache(target), config.suffix_max, k=config.k)
 
     def start(self, ctx: DraftContext, target_cache) -> SuffixState:
         return SuffixState(ctx.tokens, ctx.lengths.tolist(), [0] * ctx.size)
@@ -160,7 +167,7 @@ class SuffixDrafter(Drafter):
         state.tokens, state.lengths = ctx.tokens, ctx.lengths.tolist()
         out = []
         for b in range(ctx.size):
-            limit = max(limits[b], self.max_tokens) if limits[b] > 0 else 0
+            limit = max(limits[b], self.max_tokens) if limits[b] >= self.k else limits[b]
             d, m = suffix_draft(tokens[b, : state.lengths[b]], self.cache, limit, self.factor, self.min_prob)
             state.match[b] = m
             out.append(d)
