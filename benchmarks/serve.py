@@ -136,7 +136,9 @@ def one_request(conn: http.client.HTTPConnection, prompt: str, max_tokens: int) 
     }
 
 
-def load_run(port: int, prompts: list[dict], concurrency: int, max_tokens: int) -> dict:
+def load_run(port: int, prompts: list[dict], concurrency: int, max_tokens: int, offset: int = 0) -> dict:
+    """n = max(2c, 8) requests, prompts[offset:offset + n] (each run its own prompts: a suffix
+    cache would otherwise draft the answers it already gave)."""
     n = max(2 * concurrency, 8)
     todo = list(range(n))
     lock = threading.Lock()
@@ -151,7 +153,7 @@ def load_run(port: int, prompts: list[dict], concurrency: int, max_tokens: int) 
                     break
                 i = todo.pop(0)
             try:
-                results[i] = one_request(conn, prompts[i % len(prompts)]["text"], max_tokens)
+                results[i] = one_request(conn, prompts[(offset + i) % len(prompts)]["text"], max_tokens)
             except Exception as e:  # noqa: BLE001 — counted and reported
                 errors.append(str(e))
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -280,10 +282,13 @@ def main() -> int:
         print(f"[{m}] starting the server", file=sys.stderr, flush=True)
         server = ServerProcess(args, m, args.out)
         try:
-            load_run(server.port, prompts, 2, 16)  # warm-up: first-call costs, allocator
+            offset = len(prompts) - 8
+            load_run(server.port, prompts, 2, 16, offset)  # warm-up (the last 8 prompts): first-call costs
             res["runs"][m] = {}
+            offset = 0
             for c in cs:
-                r = load_run(server.port, prompts, c, args.max_tokens)
+                r = load_run(server.port, prompts, c, args.max_tokens, offset)
+                offset += r["requests"]
                 res["runs"][m][str(c)] = r
                 print(
                     f"[{m}] c={c}: {r['tokens_per_s']:.1f} tokens/s, p50 {r['latency_p50_s']:.2f} s, "

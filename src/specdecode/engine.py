@@ -4,6 +4,7 @@ rows between rounds. The round is `Generation._round`; everything else here sets
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Sequence
@@ -332,6 +333,27 @@ class Generation:
         return CostModel(round_s, n)
 
 
+class _FullWidth:
+    """A drafter whose deterministic chains (ngram, suffix) are padded to the row's full
+    limit, for timing only: a copy-based drafter that finds no match would draft nothing, and
+    the round would be timed at a narrower forward than serving will run."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, state, ctx: DraftContext, limits: torch.Tensor, stop_below=None) -> Proposal:
+        p = self.inner.propose(state, ctx, limits, stop_below)
+        width = int(limits.max())
+        if p.probs is not None or p.tree is not None or p.width >= width:
+            return p
+        tokens = torch.zeros(p.tokens.shape[0], width, dtype=torch.long, device=p.tokens.device)
+        tokens[:, : p.width] = p.tokens
+        return Proposal(tokens, None, limits.clone())
+
+
 def _along(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
     """[B, 1 + max path, d] the root's hidden state, then those of each row's accepted nodes."""
     B, width = hidden.shape[0], 1 + max(len(p) for p in paths)
@@ -460,12 +482,14 @@ class SpeculativeGenerator:
         k = self.config.k
         widths = sorted({0, 1, k})
         table: dict[int, dict[int, float]] = {}
+        scratch_gen = copy.copy(self)  # drafts padded to full width: see _FullWidth
+        scratch_gen.drafter = _FullWidth(self.drafter)
         todo = [(b, w) for b in batch_sizes for w in widths]
         for i, (b, w) in enumerate(todo):
             params = [
                 SamplingParams(temperature=0, max_new_tokens=(rounds + 2) * (w + 1), ignore_eos=True)
             ] * b
-            scratch = Generation(self, [ids] * b, params, policy=FixedPolicy(w))
+            scratch = Generation(scratch_gen, [ids] * b, params, policy=FixedPolicy(w))
             times = []
             for _ in range(rounds + 1):
                 t0 = time.perf_counter()
