@@ -407,6 +407,7 @@ def test_text_stream_holds_back_a_possible_stop_string_and_incomplete_characters
     assert ts.delta("abc ENx", final=False) == "ENx"  # not a stop after all
     assert ts.delta("abc ENxy\ufffd", final=False) == "y"
     assert ts.delta("abc ENxyz", final=True) == "z"
+    assert TextStream(["END"]).delta("abc END more", final=False) == "abc "  # never past a whole stop
 
 
 # -- the load-aware policy ------------------------------------------------------------------

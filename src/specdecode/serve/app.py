@@ -178,9 +178,12 @@ def create_app(
         return job
 
     async def updates(job: Job, http: Request) -> AsyncIterator[Update]:
-        """The job's updates until it is done; cancels it when the client goes away."""
+        """The job's updates until every choice's last one was read (not until job.done: the
+        engine thread marks a choice done before its last update reaches this queue); cancels
+        the job when the client goes away."""
+        finished: set[int] = set()
         try:
-            while not job.done:
+            while len(finished) < len(job.params):
                 try:
                     up = await asyncio.wait_for(job.queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
@@ -190,9 +193,10 @@ def create_app(
                     continue
                 if up.error is not None:
                     raise up.error
+                finished.update(up.finished)
                 yield up
         finally:
-            if not job.done:
+            if len(finished) < len(job.params):
                 engine.cancel(job)
 
     async def collect(job: Job, http: Request) -> bool:
@@ -206,6 +210,9 @@ def create_app(
 
     async def stream(job: Job, http: Request, chunk, include_usage: bool, head=None) -> AsyncIterator[str]:
         texts = [TextStream(p.stop) for p in job.params]
+        # the tokens delivered so far, per choice: only what the updates carried (the engine
+        # thread may already have appended the next round's tokens to job.choices)
+        delivered: list[list[int]] = [[] for _ in job.params]
         try:
             if head is not None:
                 for i in range(len(job.params)):
@@ -214,7 +221,8 @@ def create_app(
                 for i in sorted(set(up.tokens) | set(up.finished)):
                     c = job.choices[i]
                     fin = i in up.finished
-                    text = final_text(c) if fin else full_text(c.tokens)
+                    delivered[i] += up.tokens.get(i, [])
+                    text = final_text(c) if fin else full_text(delivered[i])
                     delta = texts[i].delta(text, fin)
                     toks, lps = up.tokens.get(i, []), up.logprobs.get(i)
                     if delta or fin or lps:

@@ -35,6 +35,9 @@ class TextStream:
         """The part of `text` not sent yet that may be sent now. final=True: the choice has
         finished and `text` is its whole text (already cut before a stop string)."""
         if not final:
+            hits = [text.find(s) for s in self.stops if s in text]
+            if hits:  # a whole stop string (the engine ends the choice there): never past it
+                text = text[: min(hits)]
             while text.endswith("\ufffd"):
                 text = text[:-1]
             text = text[: len(text) - stop_holdback(text, self.stops)]
