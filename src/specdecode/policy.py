@@ -257,9 +257,10 @@ class LoadAwarePolicy:
     """Wraps a policy for a server: each round it caps the rows' draft lengths at the one that
     maximises the batch's expected tokens per second, Σ_b τ(α_b, min(k_b, cap)) / R_B(width),
     where R_B is the measured round cost at the running batch size B (LoadCosts) and α_b each
-    row's own acceptance so far. cap = 0 (no drafting) is always a candidate, so when the
-    verification forward turns compute-bound at a large batch the rows stop drafting, and the
-    server is never expected to be slower than with speculation off.
+    row's own acceptance so far (shrunk toward the pooled acceptance of every row seen).
+    cap = 0 (no drafting) is always a candidate, so when the verification forward turns
+    compute-bound at a large batch the rows stop drafting, and the server is never expected to
+    be slower than with speculation off.
 
     Rows sampled (temperature > 0) under a seed are never capped: their draft lengths decide
     which uniforms they draw, so capping them by load would make a seeded output depend on
@@ -272,6 +273,7 @@ class LoadAwarePolicy:
         self.stop_below = inner.stop_below
         self.max_k = inner.max_k
         self.rows: list[list[int]] = []  # per live row: [tested, accepted]
+        self.pool = [0, 0]  # every row's, finished ones included: [tested, accepted]
         self.cap: int | None = None  # the last round's cap (None: no rows)
 
     def add_rows(self, n: int) -> None:
@@ -287,6 +289,15 @@ class LoadAwarePolicy:
         for row, t, a in zip(self.rows, outcome.tested, outcome.accepted):
             row[0] += t
             row[1] += a
+        self.pool[0] += sum(outcome.tested)
+        self.pool[1] += sum(outcome.accepted)
+
+    def alpha(self, row: list[int]) -> float:
+        """The row's acceptance so far, shrunk toward the acceptance of every row this policy
+        has seen (a new row, or one that drafted nothing yet, gets the pooled rate: a prior of
+        0.5 made a weak drafter look worth drafting for at every load)."""
+        pooled = (self.pool[1] + 1) / (self.pool[0] + 2)
+        return min((row[1] + 2 * pooled) / (row[0] + 2), 0.999999)
 
     def next_k(self) -> list[int]:
         ks = self.inner.next_k()
@@ -295,7 +306,7 @@ class LoadAwarePolicy:
         params = self.params_of()
         exempt = [p.seed is not None and p.temperature > 0 for p in params]
         cost = self.costs.at(len(ks))
-        alphas = [min((a + 1) / (t + 2), 0.999999) for t, a in self.rows]
+        alphas = [self.alpha(row) for row in self.rows]
         fixed_width = max([k for k, e in zip(ks, exempt) if e], default=0)
 
         def rate(cap: int) -> float:
