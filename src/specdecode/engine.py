@@ -465,7 +465,7 @@ class SpeculativeGenerator:
         return policy
 
     def measure_load_costs(
-        self, batch_sizes: Sequence[int], prompt_tokens: int = 64, rounds: int = 4, progress=None
+        self, batch_sizes: Sequence[int], prompt_tokens: int = 64, rounds: int = 8, progress=None
     ) -> LoadCosts:
         """Time whole rounds at each batch size with every row drafting 0, 1 and k tokens (the
         median of `rounds` rounds after a warm-up one) on a repetitive prompt of about

@@ -262,12 +262,18 @@ class LoadAwarePolicy:
     compute-bound at a large batch the rows stop drafting, and the server is never expected to
     be slower than with speculation off.
 
+    Until `min_tests` draft tokens were tested (pooled) every α counts as at least 0.5; when the
+    cap is 0 only because acceptance looks low, it probes with one draft token after
+    `probe_every` rounds, doubling the wait after each probe that changes nothing.
+
     Rows sampled (temperature > 0) under a seed are never capped: their draft lengths decide
     which uniforms they draw, so capping them by load would make a seeded output depend on
     what else is running. Greedy and unseeded rows are capped freely (exactness holds for any
     draft length)."""
 
-    def __init__(self, inner, costs: LoadCosts, params_of) -> None:
+    def __init__(
+        self, inner, costs: LoadCosts, params_of, min_tests: int = 16, probe_every: int = 16
+    ) -> None:
         self.inner, self.costs, self.params_of = inner, costs, params_of
         self.name = f"{inner.name}+load"
         self.stop_below = inner.stop_below
@@ -275,6 +281,8 @@ class LoadAwarePolicy:
         self.rows: list[list[int]] = []  # per live row: [tested, accepted]
         self.pool = [0, 0]  # every row's, finished ones included: [tested, accepted]
         self.cap: int | None = None  # the last round's cap (None: no rows)
+        self.min_tests, self.probe_every = min_tests, probe_every
+        self.off, self.wait = 0, probe_every  # rounds capped at 0 since the last probe; the wait
 
     def add_rows(self, n: int) -> None:
         self.inner.add_rows(n)
@@ -307,13 +315,25 @@ class LoadAwarePolicy:
         exempt = [p.seed is not None and p.temperature > 0 for p in params]
         cost = self.costs.at(len(ks))
         alphas = [self.alpha(row) for row in self.rows]
+        if self.pool[0] < self.min_tests:  # explore: a few rejections must not decide
+            alphas = [max(a, 0.5) for a in alphas]
         fixed_width = max([k for k, e in zip(ks, exempt) if e], default=0)
 
-        def rate(cap: int) -> float:
+        def rate(cap: int, alphas: list[float]) -> float:
             capped = [k if e else min(k, cap) for k, e in zip(ks, exempt)]
             tokens = sum(expected_tokens_per_round(a, k) for a, k in zip(alphas, capped))
             return tokens / cost.round_cost(max(max(capped), fixed_width))
 
-        best = max(range(max(ks) + 1), key=lambda c: (rate(c), -c))
+        caps = range(max(ks) + 1)
+        best = max(caps, key=lambda c: (rate(c, alphas), -c))
+        if best > 0:
+            self.off, self.wait = 0, self.probe_every
+        elif max(caps, key=lambda c: (rate(c, [0.9] * len(ks)), -c)) > 0:
+            # off because acceptance looks low, though a good drafter would pay at this load:
+            # probe with one draft token now and then (each probe that finds nothing doubles
+            # the wait, up to 256 rounds), so an estimate spoilt by early rejections recovers
+            self.off += 1
+            if self.off >= self.wait:
+                best, self.off, self.wait = 1, 0, min(2 * self.wait, 256)
         self.cap = best
         return [k if e else min(k, best) for k, e in zip(ks, exempt)]
