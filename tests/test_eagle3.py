@@ -311,3 +311,22 @@ def test_distill_train_export_cli_and_errors(pair_dir, tmp_path, capsys):
         SpeculativeGenerator(small, method="eagle3", heads=tmp_path / "e")
     with pytest.raises(SpecDecodeError, match="needs a trained EAGLE-3"):
         SpeculativeGenerator(small, method="eagle3")
+
+
+def test_a_long_prompt_admitted_beside_a_row_near_its_end_drafts_and_stays_exact(eagle3):
+    """Continuous batching: a row far behind (a long prompt admitted mid-run) must catch up in
+    chunks, or its padding would push a row near its capacity past the cache's end."""
+    target, _, drafter = eagle3
+    short = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    long_prompt = [(5 * j + 1) % 64 for j in range(120)]
+    plain = SpeculativeGenerator(target)
+    first = [(7 * j + 2) % 64 for j in range(100)]  # long too: its cache ends near its own end
+    want = [plain.generate([p], short)[0].token_ids for p in (first, long_prompt)]
+    gen = SpeculativeGenerator(target, k=3, method="eagle3", heads=drafter)
+    run = gen.stream([first], short)
+    for i, _ in enumerate(run):
+        if i == 8:  # the first row is well into its 30 tokens
+            run.add(long_prompt, short)
+    got = run.results()
+    assert [r.token_ids for r in got] == want
+    assert got[1].stats.drafted > 0

@@ -545,3 +545,26 @@ def test_specdecode_serve_default_model_answers_the_openai_client(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_extend_feeds_ragged_rows_in_chunks_when_padding_would_pass_the_cache_end(f64):
+    """A row near its cache's end beside a row far behind (a draft model catching up after
+    rounds without drafting, next to a long prompt admitted mid-run): one padded forward would
+    write the first row's padding past the end; extend feeds chunks and gives what feeding each
+    row alone gives."""
+    from specdecode.models.base import extend
+
+    target, _ = f64
+    tokens = torch.tensor([[(3 * j + 1) % 64 for j in range(20)], [(5 * j + 2) % 64 for j in range(20)]])
+    cache = target.new_cache(2, 20)
+    extend(target, cache, tokens, torch.tensor([18, 1]), need_logits=False)  # row 0 far ahead
+    logits, hidden = extend(target, cache, tokens, torch.tensor([19, 16]), return_hidden=True)
+    assert cache.lengths.tolist() == [19, 16]
+    for b, (n0, n1) in enumerate([(18, 19), (1, 16)]):
+        alone = target.new_cache(1, 20)
+        extend(target, alone, tokens[b : b + 1], torch.tensor([n0]), need_logits=False)
+        want_logits, want_hidden = extend(
+            target, alone, tokens[b : b + 1], torch.tensor([n1]), return_hidden=True
+        )
+        assert torch.allclose(logits[b], want_logits[0], atol=1e-9)
+        assert torch.allclose(hidden[b, : n1 - n0], want_hidden[0, : n1 - n0], atol=1e-9)

@@ -158,3 +158,35 @@ def pad_positions(t: torch.Tensor, capacity: int, dim: int = 1) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = extra
     return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+def catch_up(cache, todo: torch.Tensor, feed) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed each row's todo[b] pending pairs through a drafter layer whose cache is `cache`:
+    feed(j) runs the layer on pair indices j [B, M] (row b's first fed ones real, the rest
+    padding, written after its length and dropped by the rewind) and returns logits and hidden
+    states [B, M, ...]. Chunks are at most the smallest room any row has left in the cache, so a
+    row far behind (admitted mid-run, or after rounds without drafting) never pushes a row near
+    its capacity past the end. Returns the logits and hidden state after each row's last fed
+    pair (meaningless for rows that fed nothing)."""
+    B, dev = todo.shape[0], todo.device
+    rows = torch.arange(B, device=dev)
+    left = todo.clone()
+    out_logits = out_hidden = None
+    while True:
+        done = cache.lengths.clone()
+        room = int((cache.capacity - done).min())
+        M = max(1, min(int(left.max()), room))
+        j = done.view(B, 1) + torch.arange(M, device=dev).view(1, M)
+        logits, hidden = feed(j)
+        fed = left.clamp(min=0, max=M)
+        cache.rewind(done + fed)
+        last = (fed - 1).clamp(min=0)
+        lg, hd = logits[rows, last], hidden[rows, last]
+        if out_logits is None:
+            out_logits, out_hidden = lg, hd
+        else:
+            got = (fed > 0).view(B, 1)
+            out_logits, out_hidden = torch.where(got, lg, out_logits), torch.where(got, hd, out_hidden)
+        left = left - fed
+        if int(left.max()) <= 0:
+            return out_logits, out_hidden

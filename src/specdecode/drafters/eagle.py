@@ -21,7 +21,7 @@ from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, pad_positions
+from .base import DraftChain, DraftContext, Drafter, catch_up, pad_positions
 
 KIND = "specdecode-eagle"
 
@@ -94,22 +94,19 @@ class EagleDrafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Feed the committed pairs not yet in the layer's cache; return the logits [B, V] and
         predicted feature [B, d] after the pending token, and how many pairs each row fed [B]."""
-        B, dev = ctx.size, ctx.device
         n = ctx.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
-        done = state.cache.lengths.clone()
-        todo = (n - 1 - done).clamp(min=0)
-        M = max(int(todo.max()), 1)
-        j = (done.view(B, 1) + torch.arange(M, device=dev).view(1, M)).clamp(max=ctx.capacity - 2)  # pairs
-        fused = self._fuse(
-            ctx.tokens.gather(1, j + 1),
-            state.feats.gather(1, j.unsqueeze(-1).expand(B, M, state.feats.shape[-1])),
-        )
-        meta = ForwardMeta(return_hidden=True, inputs_embeds=fused)
-        logits, hidden = self.layer.forward(j, state.cache, meta)
-        state.cache.rewind(done + todo)  # padding of shorter rows is dropped
-        last = (todo - 1).clamp(min=0)
-        rows = torch.arange(B, device=dev)
-        return logits[rows, last], hidden[rows, last], todo
+        todo = (n - 1 - state.cache.lengths).clamp(min=0)
+
+        def feed(j: torch.Tensor):
+            j = j.clamp(max=ctx.capacity - 2)  # pairs
+            fused = self._fuse(
+                ctx.tokens.gather(1, j + 1),
+                state.feats.gather(1, j.unsqueeze(-1).expand(*j.shape, state.feats.shape[-1])),
+            )
+            return self.layer.forward(j, state.cache, ForwardMeta(return_hidden=True, inputs_embeds=fused))
+
+        logits, hidden = catch_up(state.cache, todo, feed)
+        return logits, hidden, todo
 
     @torch.inference_mode()
     def propose_tree(self, state: EagleState, ctx: DraftContext, tree) -> torch.Tensor:

@@ -31,7 +31,7 @@ from ..models.base import Cache, ForwardMeta
 from ..models.linear import Linear
 from ..models.llama import LlamaConfig, LlamaModel
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, pad_positions
+from .base import DraftChain, DraftContext, Drafter, catch_up, pad_positions
 
 KIND = "specdecode-eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -165,18 +165,16 @@ class Eagle3Drafter(Drafter):
     def _catch_up(self, state: Eagle3State, ctx: DraftContext):
         """Feed the committed pairs not yet in the layer's cache; return the logits [B, V] and the
         feature [B, d] after the pending token, and how many pairs each row fed [B]."""
-        B, dev = ctx.size, ctx.device
         n = ctx.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
-        done = state.cache.lengths.clone()
-        todo = (n - 1 - done).clamp(min=0)
-        M = max(int(todo.max()), 1)
-        j = (done.view(B, 1) + torch.arange(M, device=dev).view(1, M)).clamp(max=ctx.capacity - 2)
-        feats = state.feats.gather(1, j.unsqueeze(-1).expand(B, M, state.feats.shape[-1]))
-        logits, hidden = self._step(ctx.tokens.gather(1, j + 1), state, {"inputs_embeds": feats})
-        state.cache.rewind(done + todo)  # padding of shorter rows is dropped
-        last = (todo - 1).clamp(min=0)
-        rows = torch.arange(B, device=dev)
-        return self._full(logits[rows, last]), hidden[rows, last], todo
+        todo = (n - 1 - state.cache.lengths).clamp(min=0)
+
+        def feed(j: torch.Tensor):
+            j = j.clamp(max=ctx.capacity - 2)
+            feats = state.feats.gather(1, j.unsqueeze(-1).expand(*j.shape, state.feats.shape[-1]))
+            return self._step(ctx.tokens.gather(1, j + 1), state, {"inputs_embeds": feats})
+
+        logits, hidden = catch_up(state.cache, todo, feed)
+        return self._full(logits), hidden, todo
 
     @torch.inference_mode()
     def propose(

@@ -114,6 +114,9 @@ def extend(
     if n <= 0:
         raise ValueError("extend: nothing to feed")
     B = tokens.shape[0]
+    capacity = getattr(cache, "capacity", None)
+    if capacity is not None and int(start.max()) + n > capacity:
+        return _extend_in_chunks(model, cache, tokens, lengths, return_hidden, need_logits, aux_layers)
     idx = (start.view(B, 1) + torch.arange(n, device=tokens.device).view(1, n)).clamp(max=tokens.shape[1] - 1)
     last = (todo - 1).clamp(min=0)
     meta = ForwardMeta(
@@ -127,3 +130,36 @@ def extend(
         return logits[:, 0], hidden
     at_last = logits.gather(1, last.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
     return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i
+
+
+def _extend_in_chunks(model, cache, tokens, lengths, return_hidden, need_logits, aux_layers):
+    """extend() when one forward would write a short row's padding past the cache's end (a
+    row far behind beside a row near its capacity, e.g. one admitted mid-run): feed chunks of
+    at most the smallest room any row has left, and stitch the results together."""
+    B, capacity = tokens.shape[0], cache.capacity
+    start = cache.lengths.clone()
+    logits_out, parts = None, []
+    while True:
+        at = cache.lengths.clone()
+        left = lengths - at
+        if int(left.max()) <= 0:
+            break
+        step = max(1, min(int(left.max()), int((capacity - at).min())))
+        fed = left.clamp(min=0, max=step)
+        logits, hidden = extend(model, cache, tokens, at + fed, return_hidden, need_logits, aux_layers)
+        if logits is not None:
+            if logits_out is None:
+                logits_out = logits
+            else:
+                logits_out = torch.where((fed > 0).view(B, 1), logits, logits_out)
+        if hidden is not None:
+            parts.append((at - start, fed, hidden))
+    if not parts:
+        return logits_out, None
+    width = int((lengths - start).max())
+    out = parts[0][2].new_zeros(B, width, parts[0][2].shape[-1])
+    for offset, fed, hidden in parts:
+        for b in range(B):
+            o, f = int(offset[b]), int(fed[b])
+            out[b, o : o + f] = hidden[b, :f]
+    return logits_out, out
