@@ -262,6 +262,8 @@ class LoadAwarePolicy:
     compute-bound at a large batch the rows stop drafting, and the server is never expected to
     be slower than with speculation off.
 
+    A row whose drafter drafts more than k when left uncapped (suffix, up to suffix_max) is rated
+    at the length it drafted in its uncapped rounds, so the cost of that wider forward counts.
     Until `min_tests` draft tokens were tested (pooled) every α counts as at least 0.5; when the
     cap is 0 only because acceptance looks low, it probes with one draft token after
     `probe_every` rounds, doubling the wait after each probe that changes nothing.
@@ -278,7 +280,8 @@ class LoadAwarePolicy:
         self.name = f"{inner.name}+load"
         self.stop_below = inner.stop_below
         self.max_k = inner.max_k
-        self.rows: list[list[int]] = []  # per live row: [tested, accepted]
+        self.rows: list[list[float]] = []  # per live row: [tested, accepted, drafted when uncapped]
+        self._uncapped: list[bool] = []  # per live row: last round's limit was the policy's own
         self.pool = [0, 0]  # every row's, finished ones included: [tested, accepted]
         self.cap: int | None = None  # the last round's cap (None: no rows)
         self.min_tests, self.probe_every = min_tests, probe_every
@@ -286,17 +289,22 @@ class LoadAwarePolicy:
 
     def add_rows(self, n: int) -> None:
         self.inner.add_rows(n)
-        self.rows += [[0, 0] for _ in range(n)]
+        self.rows += [[0, 0, -1.0] for _ in range(n)]
+        self._uncapped += [False] * n
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self.inner.select_rows(rows)
         self.rows = [self.rows[i] for i in rows]
+        self._uncapped = [self._uncapped[i] for i in rows]
 
     def observe(self, outcome: RoundOutcome) -> None:
         self.inner.observe(outcome)
-        for row, t, a in zip(self.rows, outcome.tested, outcome.accepted):
+        for b, (row, t, a) in enumerate(zip(self.rows, outcome.tested, outcome.accepted)):
             row[0] += t
             row[1] += a
+            if b < len(self._uncapped) and self._uncapped[b]:  # what the drafter drafts when free
+                d = outcome.drafted[b]
+                row[2] = d if row[2] < 0 else 0.7 * row[2] + 0.3 * d
         self.pool[0] += sum(outcome.tested)
         self.pool[1] += sum(outcome.accepted)
 
@@ -319,8 +327,12 @@ class LoadAwarePolicy:
             alphas = [max(a, 0.5) for a in alphas]
         fixed_width = max([k for k, e in zip(ks, exempt) if e], default=0)
 
+        # a drafter may draft more than k when not capped below k (suffix: up to suffix_max);
+        # rate that case at what the row drafted in its uncapped rounds
+        free = [max(k, round(row[2])) for k, row in zip(ks, self.rows)]
+
         def rate(cap: int, alphas: list[float]) -> float:
-            capped = [k if e else min(k, cap) for k, e in zip(ks, exempt)]
+            capped = [f if e or cap >= k else min(k, cap) for k, f, e in zip(ks, free, exempt)]
             tokens = sum(expected_tokens_per_round(a, k) for a, k in zip(alphas, capped))
             return tokens / cost.round_cost(max(max(capped), fixed_width))
 
@@ -336,4 +348,5 @@ class LoadAwarePolicy:
             if self.off >= self.wait:
                 best, self.off, self.wait = 1, 0, min(2 * self.wait, 256)
         self.cap = best
+        self._uncapped = [e or best >= k for k, e in zip(ks, exempt)]
         return [k if e else min(k, best) for k, e in zip(ks, exempt)]
