@@ -365,8 +365,8 @@ def create_app(
         }
 
     def openapi() -> dict:
-        """The schema, with this server's limits: max_tokens within the context, token ids
-        within the vocabulary."""
+        """The schema, with this server's limits: max_tokens within the context, n within
+        --max-batch, token ids within the vocabulary."""
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
@@ -378,6 +378,9 @@ def create_app(
                     for alt in comps[name]["properties"].get(field, {}).get("anyOf", []):
                         if alt.get("type") == "integer":
                             alt["maximum"] = max_model_len - gen.width - 2
+            for name in ("CompletionRequest", "ChatRequest"):
+                n = comps[name]["properties"]["n"]
+                n["maximum"] = min(n.get("maximum", 16), engine.max_batch)
             for alt in comps["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
                 if alt.get("type") == "array" and alt["items"].get("type") == "integer":
                     alt["items"].update(minimum=0, maximum=gen.target.vocab_size - 1)
