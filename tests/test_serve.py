@@ -541,6 +541,12 @@ def test_specdecode_serve_default_model_answers_the_openai_client(tmp_path):
         r = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
         assert "Paris" in r.choices[0].message.content
         assert r.model_extra["speculative"]["method"] == "auto"
+        # the web lab is served beside the API, and kept out of the API's schema
+        base = f"http://127.0.0.1:{port}"
+        get = lambda path: urllib.request.urlopen(base + path, timeout=30).read().decode()  # noqa: S310
+        assert "specdecode lab" in get("/lab")
+        assert "smollm2-135m" in json.loads(get("/lab/api/presets"))["generate"]
+        assert not any(p.startswith("/lab") for p in json.loads(get("/openapi.json"))["paths"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -18,6 +18,7 @@ LAB_HELP = {
     "lesson2": "lesson 001's toy pattern experiments, and its two errors measured",
     "methods": "every drafting method and policy: tokens per forward and speed-up, greedy and T = 1",
     "report": "run every experiment; write report.html (plots embedded) and report.json",
+    "serve": "the interactive web lab at http://HOST:PORT/lab, on the live engine and models",
 }
 
 
@@ -32,6 +33,15 @@ def register(sub) -> None:
     exps = lab.add_subparsers(dest="experiment", required=True, parser_class=Parser, metavar="EXPERIMENT")
     for name, text in LAB_HELP.items():
         e = exps.add_parser(name, help=text, description=text)
+        if name == "serve":
+            e.description = (
+                "The five interactive widgets (roofline, acceptance rules, replay, formula vs measured, "
+                "live generation) in the browser at http://HOST:PORT/lab, backed by the real engine and the "
+                "bundled models. `specdecode serve` serves the same page beside its API."
+            )
+            e.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+            e.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+            continue
         e.add_argument(
             "--target", default=None, metavar="MODEL", help="target model (default three-kingdoms/target)"
         )
@@ -75,6 +85,8 @@ def register(sub) -> None:
 
 
 def _lab(args: argparse.Namespace) -> int:
+    if args.experiment == "serve":
+        return _serve(args)
     from ..lab import LabConfig, run_experiment
     from ..lab.common import DRAFTS, PROMPTS, TARGET, family_prompts
     from ..models import resolve
@@ -118,3 +130,31 @@ def _lab(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
         options = {"k": args.k}
     return show(run_experiment(name, cfg, **options), args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import socket
+
+    if not 0 <= args.port <= 65535:
+        raise SpecDecodeError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        import uvicorn
+
+        from ..lab.web import create_lab_app
+    except ImportError as e:
+        raise SpecDecodeError(
+            f"the web lab needs the serve and lab extras ({e.name} is missing): "
+            "pip install 'specdecode[serve,lab]'"
+        ) from None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    print(f"specdecode lab: open http://{host}:{port}/lab (Ctrl-C stops)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_lab_app(), log_level="warning"))
+    server.run(sockets=[sock])
+    return 0

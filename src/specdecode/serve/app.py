@@ -388,6 +388,12 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi
+    # the web lab (/lab) beside the API; kept out of the schema above
+    try:
+        from ..lab.web import mount_lab
+    except ImportError:  # the lab extra (rich, scipy) is not installed: serve the API alone
+        return app
+    mount_lab(app, in_schema=False)
     return app
 
 
