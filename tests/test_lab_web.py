@@ -115,6 +115,10 @@ def test_formula_api_is_the_theory_modules(client):
 def test_measured_acceptance_has_one_rate_per_draft_position(client):
     d = post(client, "measured", pair=PAIR, k=4)
     assert len(d["per_position_acceptance"]) == 4 and 0 < d["alpha"] < 1
+    pos, cond = d["per_position_acceptance"], d["conditional_acceptance"]
+    assert all(a >= b for a, b in zip(pos, pos[1:]))  # position i + 1 needs position i accepted
+    assert cond[0] == pos[0] and cond[1] == pytest.approx(pos[1] / pos[0])
+    assert d["formula_per_position"][1] == pytest.approx(d["alpha"] ** 2)
     assert d["tokens_per_forward"] == pytest.approx(d["formula_tokens_per_forward"], rel=0.25)
 
 

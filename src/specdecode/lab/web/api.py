@@ -452,6 +452,7 @@ class Lab:
         )
         st = GenerationStats.merge([x.stats for x in results], time.perf_counter() - t0)
         alpha = st.acceptance_rate
+        pos = st.per_position_acceptance
         out = {
             "pair": r.pair,
             "k": r.k,
@@ -459,7 +460,11 @@ class Lab:
             "runs": len(jobs),
             "tokens": st.new_tokens,
             "alpha": alpha,
-            "per_position_acceptance": st.per_position_acceptance,
+            # the fraction of rounds whose position i was accepted (vLLM's convention), what the
+            # formula's single α predicts for it (α^i), and the rate given position i - 1 passed
+            "per_position_acceptance": pos,
+            "formula_per_position": [alpha ** (i + 1) for i in range(len(pos))],
+            "conditional_acceptance": [a / b if b else 0.0 for a, b in zip(pos, [1.0, *pos])],
             "tokens_per_forward": st.tokens_per_forward,
             "formula_tokens_per_forward": expected_tokens_per_round(alpha, r.k),
             "vocab": target.vocab_size,

@@ -78,13 +78,23 @@ function lineChart(el, points, { xKey, yKey, mark, best, yLabel, ref = null }) {
 }
 
 // -- 1. roofline ------------------------------------------------------------------------------
+// slider moves send many requests; only the newest one's answer is drawn (answers can come back
+// out of order)
+const latest = {};
+async function newest(key, path, body) {
+  const n = (latest[key] = (latest[key] || 0) + 1);
+  const d = await api(path, body);
+  return n === latest[key] ? d : null;
+}
+
 async function roofline() {
   const k = +$("rf-k").value;
   $("rf-k-out").textContent = k;
   let d;
   try {
-    d = await api("roofline", { model: $("rf-model").value, hardware: $("rf-hw").value, k, dtype: $("rf-dtype").value });
+    d = await newest("roofline", "roofline", { model: $("rf-model").value, hardware: $("rf-hw").value, k, dtype: $("rf-dtype").value });
   } catch (e) { return fail($("rf-bars"), e); }
+  if (d === null) return;
   const rows = [d.one, d.verify];
   const W = 640, H = 150, left = 150, max = Math.max(...rows.flatMap((r) => [r.compute_ms, r.weight_read_ms]));
   const w = (v) => (W - left - 180) * v / max;
@@ -134,7 +144,8 @@ const pairBody = () => ({ pair: $("ru-pair").value, prompt: $("ru-prompt").value
 
 async function rulesDist() {
   try {
-    const d = await api("rules/dist", { ...pairBody(), top: 8 });
+    const d = await newest("dist", "rules/dist", { ...pairBody(), top: 8 });
+    if (d === null) return;
     groupedBars($("ru-dist"), d.tokens, [{ key: "p", label: "p (target)", color: "#2a6fdb" }, { key: "q", label: "q (draft)", color: "#e07b39" }]);
     $("ru-alpha").textContent = fmt(d.alpha, 4);
   } catch (e) { fail($("ru-dist"), e); }
@@ -222,7 +233,8 @@ async function formula() {
   $("fo-c-out").textContent = c.toFixed(2);
   $("fo-k-out").textContent = k;
   try {
-    const f = await api("formula", { alpha, c, k });
+    const f = await newest("formula", "formula", { alpha, c, k });
+    if (f === null) return;
     $("fo-tokens").textContent = fmt(f.tokens_per_round, 3);
     $("fo-speedup").textContent = fmt(f.speedup, 3);
     $("fo-best").textContent = f.optimal_k;
@@ -234,12 +246,13 @@ async function formula() {
 async function measure() {
   try {
     const m = await api("measured", { pair: $("fo-pair").value, k: +$("fo-k").value > 8 ? 8 : +$("fo-k").value });
-    const rows = m.per_position_acceptance.map((a, i) => ({ label: `position ${i + 1}`, measured: a, formula: m.alpha }));
-    groupedBars($("fo-measured"), rows, [{ key: "measured", label: "measured acceptance", color: "#2a6fdb" }, { key: "formula", label: "single α (pooled)", color: "#c3cad6" }], { max: 1 });
+    const rows = m.per_position_acceptance.map((a, i) => ({ label: `pos ${i + 1}`, measured: a, formula: m.formula_per_position[i] }));
+    groupedBars($("fo-measured"), rows, [{ key: "measured", label: "measured", color: "#2a6fdb" }, { key: "formula", label: "formula α^i", color: "#c3cad6" }], { max: 1 });
     measuredAlpha = m.alpha;
     $("fo-use").disabled = false;
     $("fo-measured-text").innerHTML = `${esc(m.pair)}, k = ${m.k}, ${m.runs} runs, ${m.tokens} tokens: α = <b id="fo-m-alpha">${fmt(m.alpha, 3)}</b>;
-      tokens per forward measured <b id="fo-m-tpf">${fmt(m.tokens_per_forward, 3)}</b> vs formula <b id="fo-m-formula">${fmt(m.formula_tokens_per_forward, 3)}</b>`;
+      tokens per forward measured <b id="fo-m-tpf">${fmt(m.tokens_per_forward, 3)}</b> vs formula <b id="fo-m-formula">${fmt(m.formula_tokens_per_forward, 3)}</b>.
+      Acceptance at each position given the one before passed: <b id="fo-m-cond">${m.conditional_acceptance.map((a) => fmt(a, 2)).join(", ")}</b>`;
   } catch (e) { fail($("fo-measured"), e); }
 }
 
