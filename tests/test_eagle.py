@@ -62,7 +62,7 @@ def test_eagle_first_draft_reads_the_targets_own_features(eagle_pair):
         context += rec.emitted_token_ids
 
 
-@pytest.mark.parametrize("tree", [None, "2,2"])
+@pytest.mark.parametrize("tree", [None, "2,2", "2,2/with-replacement", "2,2/without-replacement"])
 def test_eagle_sampling_keeps_the_two_token_joint(tmp_path, tree):
     t = init_model(tmp_path / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
     text = tmp_path / "c.txt"
@@ -71,7 +71,10 @@ def test_eagle_sampling_keeps_the_two_token_joint(tmp_path, tree):
     target = load(t, dtype=torch.float64)
     prompt, V = [5, 9, 2], 16
     joint = two_token_joint(target, prompt)
-    gen = SpeculativeGenerator(target, k=2, method="eagle", heads=tmp_path / "e", tree=tree)
+    tree, _, sampling = (tree or "").partition("/")
+    gen = SpeculativeGenerator(
+        target, k=2, method="eagle", heads=tmp_path / "e", tree=tree or None, tree_sampling=sampling or None
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
     results = gen.generate([prompt] * 40_000, seeded(params, 40_000))
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])

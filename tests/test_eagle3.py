@@ -181,7 +181,10 @@ def eagle3_v16(vocab16_dirs, tmp_path_factory):
 
 def eagle3_pairs(target, drafter, tree, n=40_000):
     prompt, V = [5, 9, 2], target.vocab_size
-    gen = SpeculativeGenerator(target, k=2, method="eagle3", heads=drafter, tree=tree)
+    tree, _, sampling = (tree or "").partition("/")
+    gen = SpeculativeGenerator(
+        target, k=2, method="eagle3", heads=drafter, tree=tree or None, tree_sampling=sampling or None
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
     results = gen.generate([prompt] * n, seeded(params, n))
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
@@ -189,7 +192,7 @@ def eagle3_pairs(target, drafter, tree, n=40_000):
     return pairs, two_token_joint(target, prompt), acc, tested
 
 
-@pytest.mark.parametrize("tree", [None, "2,2"])
+@pytest.mark.parametrize("tree", [None, "2,2", "2,2/with-replacement", "2,2/without-replacement"])
 def test_eagle3_sampling_keeps_the_two_token_joint(eagle3_v16, tree):
     target, drafter = eagle3_v16
     pairs, joint, acc, tested = eagle3_pairs(target, drafter, tree)

@@ -1,6 +1,8 @@
 """Token trees: shape, exact multi-candidate verification, greedy identity through the engine,
 and the cache after a tree round equal to a fresh prefill of the accepted text."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -63,18 +65,22 @@ def models(pair_dir):
     return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("spec", ["1,1,1", "3,2", "4,2,1", "[[0], [1], [0, 0], [1, 0], [0, 0, 0]]"])
+@pytest.mark.parametrize(
+    "spec", ["1,1,1", "3,2", "4,2,1", "[[0], [1], [0, 0], [1, 0], [0, 0, 0]]", "4,2,1/without-replacement"]
+)
 def test_tree_greedy_tokens_equal_target_greedy_batch_1_and_4(models, spec):
     target, draft = models
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
-    gen = SpeculativeGenerator(target, draft=draft, tree=spec)
+    spec, _, sampling = spec.partition("/")
+    gen = SpeculativeGenerator(target, draft=draft, tree=spec, tree_sampling=sampling or None)
     got = [gen.generate([p], GREEDY)[0] for p in PROMPTS]
     assert [r.token_ids for r in got] == want
     assert sum(r.stats.accepted for r in got) > 0
     assert [r.token_ids for r in gen.generate(PROMPTS[:4], GREEDY)] == want[:4]
 
 
-def test_tree_round_through_engine_keeps_the_two_token_joint(tmp_path):
+@pytest.mark.parametrize("sampling", [None, "with-replacement", "without-replacement"])
+def test_tree_round_through_engine_keeps_the_two_token_joint(tmp_path, sampling):
     root = tmp_path
     t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
     d = noisy_copy(t, root / "d", noise=0.3, seed=6)
@@ -82,9 +88,8 @@ def test_tree_round_through_engine_keeps_the_two_token_joint(tmp_path):
     prompt, V = [5, 9, 2], 16
     joint = two_token_joint(target, prompt)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5, ignore_eos=True)
-    results = SpeculativeGenerator(target, draft=draft, tree="2,2").generate(
-        [prompt] * 40_000, seeded(params, 40_000)
-    )
+    gen = SpeculativeGenerator(target, draft=draft, tree="2,2", tree_sampling=sampling)
+    results = gen.generate([prompt] * 40_000, seeded(params, 40_000))
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, joint)
     assert ok, msg
@@ -150,3 +155,98 @@ def test_tree_check_catches_resampling_from_p_after_every_candidate_is_rejected(
     first = np.array([t[0] if p else redraw[b] for b, (t, p) in enumerate(zip(v.tokens, v.path))])
     ok, msg = check_distribution(first, probs[0].numpy())
     assert not ok, msg
+
+
+# -- sampled candidates: SpecInfer (with replacement) and Sequoia (without) -------------------
+
+
+def sampled_tree_case(without: bool, B: int = 200_000, seed: int = 1):
+    """Tree 3,2 over V = 10: p and q per input (root + 9 nodes), each node's children drawn
+    from q at that node (with or without replacement), uniforms and noise per row."""
+    rng = np.random.default_rng(seed)
+    V = 10
+    tree = TokenTree.parse("3,2").with_sampling("without-replacement" if without else "with-replacement")
+    p = torch.tensor(rng.dirichlet(np.ones(V) * 0.7, size=tree.size + 1))
+    q = torch.tensor(rng.dirichlet(np.ones(V) * 0.7, size=tree.size + 1))
+    g = torch.Generator().manual_seed(seed)
+    kids = tree.children()
+    nodes = torch.zeros(B, tree.size, dtype=torch.long)
+    for parent in range(tree.size + 1):
+        ks = [int(c) for c in kids[parent] if c >= 0]
+        if ks:
+            draws = torch.multinomial(q[parent].expand(B, V), len(ks), replacement=not without, generator=g)
+            for j, c in enumerate(ks):
+                nodes[:, c - 1] = draws[:, j]
+    args = (
+        tree,
+        nodes,
+        p.expand(B, -1, -1),
+        p.expand(B, -1, -1),
+        torch.rand(B, tree.size, generator=g, dtype=torch.float64),
+        torch.empty(B, V, dtype=torch.float64).exponential_(generator=g),
+    )
+    return args, p, q, g
+
+
+@pytest.mark.parametrize("without", [False, True], ids=["with-replacement", "without-replacement"])
+def test_sampled_tree_verification_keeps_the_target_distribution(without):
+    """First emitted token ~ p at the root, and after an accepted node 1 the next ~ p there,
+    for candidates drawn from q; and more first candidates pass than with top-ranked ones."""
+    args, p, q, _ = sampled_tree_case(without)
+    B = args[1].shape[0]
+    v = verify_tree(*args, q.expand(B, -1, -1), torch.ones(B, dtype=torch.bool), without)
+    ok, msg = check_distribution(np.array([t[0] for t in v.tokens]), p[0].numpy())
+    assert ok, msg
+    via_node1 = [t[1] for t, path in zip(v.tokens, v.path) if path[:1] == [1]]
+    ok, msg = check_distribution(np.array(via_node1), p[1].numpy())
+    assert ok, msg
+    if without:  # siblings are distinct tokens
+        assert bool((args[1][:, 0] != args[1][:, 1]).all() and (args[1][:, 3] != args[1][:, 4]).all())
+    assert 0 < sum(len(path) == 2 for path in v.path) < B
+
+
+@pytest.mark.parametrize("without", [False, True], ids=["with-replacement", "without-replacement"])
+def test_sampled_tree_check_catches_the_wrong_rules(without):
+    """Negative controls on the same draws: (1) the right rule, but a walk that stops at the root
+    redraws from p itself instead of the residual; (2) without-replacement draws verified with q
+    left unchanged after a rejection. The check must reject each. (Verifying sampled candidates
+    as one-hot proposals, q ignored, is exact too, since it samples p by elimination whatever the
+    candidates, but it accepts less: checked here as well.)"""
+    args, p, q, g = sampled_tree_case(without)
+    B = args[1].shape[0]
+    right = verify_tree(*args, q.expand(B, -1, -1), torch.ones(B, dtype=torch.bool), without)
+    redraw = torch.multinomial(p[0], B, replacement=True, generator=g).numpy()
+    rows = enumerate(zip(right.tokens, right.path))
+    first = np.array([t[0] if path else redraw[b] for b, (t, path) in rows])
+    ok, msg = check_distribution(first, p[0].numpy())
+    assert not ok, msg
+    if without:
+        stale = verify_tree(*args, q.expand(B, -1, -1), torch.ones(B, dtype=torch.bool), False)
+        ok, msg = check_distribution(np.array([t[0] for t in stale.tokens]), p[0].numpy())
+        assert not ok, msg
+    one_hot = verify_tree(*args)
+    ok, msg = check_distribution(np.array([t[0] for t in one_hot.tokens]), p[0].numpy())
+    assert ok, msg
+    accepted = lambda v: sum(len(path) for path in v.path)  # noqa: E731
+    assert accepted(right) > accepted(one_hot)
+
+
+@pytest.mark.parametrize("sampling", ["with-replacement", "without-replacement"])
+def test_sampled_tree_greedy_row_beside_sampled_rows_is_target_greedy_and_seeds_reproduce(models, sampling):
+    """A greedy row in a batch whose other rows draw sampled candidates takes top-ranked ones
+    and decodes the target's greedy tokens; a seeded sampled row gives the same tokens alone."""
+    target, draft = models
+    want = SpeculativeGenerator(target).generate([PROMPTS[0]], GREEDY)[0].token_ids
+    gen = SpeculativeGenerator(target, draft=draft, tree="3,2", tree_sampling=sampling)
+    hot = SamplingParams(temperature=1.0, max_new_tokens=GREEDY.max_new_tokens, seed=3, ignore_eos=True)
+    mixed = gen.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, hot, replace(hot, seed=4)])
+    assert mixed[0].token_ids == want
+    assert gen.generate([PROMPTS[1]], hot)[0].token_ids == mixed[1].token_ids
+
+
+def test_tree_sampling_needs_a_tree_and_a_known_mode(models):
+    target, draft = models
+    with pytest.raises(SpecDecodeError, match="tree sampling needs a token tree"):
+        SpeculativeGenerator(target, draft=draft, tree_sampling="with-replacement")
+    with pytest.raises(SpecDecodeError, match="unknown tree sampling 'random'"):
+        SpeculativeGenerator(target, draft=draft, tree="2,2", tree_sampling="random")

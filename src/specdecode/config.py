@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecDecodeError
-from .tree import TokenTree
+from .tree import TREE_SAMPLING, TokenTree
 
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
 
@@ -22,9 +22,12 @@ class SpecConfig:
     """method: a registered drafter (`specdecode.drafters.DRAFTERS`) or None for target-only
     decoding; k: draft tokens per round (the start for adaptive policies); policy: fixed,
     heuristic, confidence or optimal; tree: a TokenTree or its spec ('3,2,1' or JSON choices),
-    verified in one forward (fixed policy only). Method options: exit_layer (early-exit),
-    ngram_max / ngram_min (ngram), heads (medusa / eagle / eagle3 / auto: a directory or loaded
-    heads), suffix_max (suffix / auto: the longest draft a suffix match may make, default 16).
+    verified in one forward (fixed policy only); tree_sampling: how its candidates are chosen,
+    topk (the drafter's top-ranked tokens), with-replacement or without-replacement (drawn from
+    the drafter's distribution; exact multi-candidate rules, see specdecode.tree). Method
+    options: exit_layer (early-exit), ngram_max / ngram_min (ngram), heads (medusa / eagle /
+    eagle3 / auto: a directory or loaded heads), suffix_max (suffix / auto: the longest draft a
+    suffix match may make, default 16).
     Policy options: confidence_threshold, max_k (heuristic / optimal), cost_model (optimal: a
     CostModel or a JSON file; default: measured once per generator on its first batch).
     batch_invariant: run the target's batch-invariant forward, so that a token's logits do not
@@ -38,6 +41,7 @@ class SpecConfig:
     k: int = 4
     policy: str = "fixed"
     tree: TokenTree | str | None = None
+    tree_sampling: str | None = None
     exit_layer: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
@@ -66,6 +70,14 @@ class SpecConfig:
             raise SpecDecodeError(f"suffix_max must be an integer >= 1, got {self.suffix_max!r}")
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
+        if self.tree_sampling is not None:
+            if self.tree_sampling not in TREE_SAMPLING:
+                raise SpecDecodeError(
+                    f"unknown tree sampling {self.tree_sampling!r}; choose one of {', '.join(TREE_SAMPLING)}"
+                )
+            if self.tree is None:
+                raise SpecDecodeError("tree sampling needs a token tree; give --tree too (e.g. --tree 4,2,1)")
+            object.__setattr__(self, "tree", self.tree.with_sampling(self.tree_sampling))
         if self.tree is not None:
             if self.policy != "fixed":
                 raise SpecDecodeError("a token tree has a fixed shape; use --policy fixed with --tree")

@@ -145,9 +145,10 @@ class Generation:
     def _propose(self, limits: list[int]) -> Proposal:
         rows, drafter = self.rows, self.drafter
         if drafter is not None and self.gen.tree is not None and max(limits, default=0) > 0:
-            return Proposal(
-                drafter.propose_tree(self.state, rows.context(), self.gen.tree), tree=self.gen.tree
-            )
+            nodes = drafter.propose_tree(self.state, rows.context(), self.gen.tree)
+            if isinstance(nodes, Proposal):  # sampled candidates, with the drafter's q
+                return nodes
+            return Proposal(nodes, tree=self.gen.tree)
         if drafter is None or max(limits) == 0:
             return Proposal.empty(rows.size, rows.tokens.device)
         limit_t = torch.tensor(limits, device=rows.tokens.device)

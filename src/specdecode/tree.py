@@ -5,17 +5,29 @@ e.g. (0,) = the drafter's best token at depth 1, (1,) its second best, (0, 0) th
 after (0,). The root is the pending token. The target sees [root, node 1, ..., node N] with
 positions root + depth and a mask that lets every node attend to its ancestors only.
 
-Candidates are deterministic (the drafter's top-ranked tokens), so each is a one-hot proposal.
-Verification tries the children of the current node in rank order: a child with token x is
-accepted with probability p(x); after a rejection x is removed from p and p renormalised (the
-residual of p against a one-hot draft); if every child is rejected, one token is drawn from what
-is left. This is exact (SpecInfer's multi-candidate rule; it samples p by elimination).
+How candidates are chosen (TokenTree.sampling):
+
+- "topk": the drafter's top-ranked tokens, so each is a one-hot proposal. The children of the
+  current node are tried in rank order: a child with token x is accepted with probability p(x);
+  after a rejection x is removed from p and p renormalised (the residual of p against a one-hot
+  draft); if every child is rejected, one token is drawn from what is left. Exact, and strong
+  for greedy decoding, but at T = 1 a top-ranked token is accepted only with p(x).
+- "with-replacement": the children of a node are independent draws from the drafter's
+  (warped) distribution q there. SpecInfer's multi-candidate rule: child x is accepted with
+  min(1, p(x)/q(x)); a rejection replaces p by norm(max(0, p − q)) and the next child is tried
+  against it; if all are rejected, one token is drawn from the last residual.
+- "without-replacement": the children are drawn from q without replacement (distinct tokens).
+  Sequoia's rule: as above, and after a rejection of x also q(x) ← 0, q renormalised, since the
+  next child was drawn from that q.
+
+All three keep the target's distribution exactly (tests/test_tree.py). Greedy rows always use
+top-ranked candidates (a sampled candidate can only lose there).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 import torch
@@ -23,12 +35,19 @@ import torch
 from .errors import SpecDecodeError
 from .sampling import sample
 
+TREE_SAMPLING = ("topk", "with-replacement", "without-replacement")
+
 
 @dataclass(frozen=True)
 class TokenTree:
     choices: tuple[tuple[int, ...], ...]  # node i + 1 is choices[i]; parents before children
+    sampling: str = "topk"  # how candidates are chosen: one of TREE_SAMPLING (module docstring)
 
     def __post_init__(self) -> None:
+        if self.sampling not in TREE_SAMPLING:
+            raise SpecDecodeError(
+                f"unknown tree sampling {self.sampling!r}; choose one of {', '.join(TREE_SAMPLING)}"
+            )
         seen = set()
         for c in self.choices:
             if not c or min(c) < 0:
@@ -65,6 +84,13 @@ class TokenTree:
             raise SpecDecodeError(
                 f"--tree {spec!r}: give branching per depth like 3,2,1 or JSON choices like [[0],[1],[0,0]]"
             ) from None
+
+    def with_sampling(self, sampling: str) -> TokenTree:
+        return replace(self, sampling=sampling)
+
+    @property
+    def sampled(self) -> bool:
+        return self.sampling != "topk"
 
     @property
     def size(self) -> int:
@@ -121,8 +147,14 @@ def verify_tree(
     target_scores: torch.Tensor,  # [B, N + 1, V] logits or probs; argmax used when greedy
     uniforms: torch.Tensor | None,  # [B, N] U[0, 1) one per node
     exp_noise: torch.Tensor | None,  # [B, V] Exp(1) for the extra token
+    draft_probs: torch.Tensor | None = None,  # [B, N + 1, V] q at root and every node (sampled)
+    sampled_rows: torch.Tensor | None = None,  # [B] bool: rows whose candidates came from q
+    without_replacement: bool = False,
 ) -> TreeVerdict:
-    """Walk the tree from the root; exact multi-candidate rejection sampling (or greedy)."""
+    """Walk the tree from the root; exact multi-candidate rejection sampling (or greedy).
+
+    Rows in sampled_rows drew each node's children from draft_probs at that node (with or
+    without replacement, as the tree says); the other rows' candidates are one-hot proposals."""
     B, dev = node_tokens.shape[0], node_tokens.device
     children = tree.children().to(dev)
     greedy = target_probs is None
@@ -130,6 +162,10 @@ def verify_tree(
     tokens_in = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), node_tokens], 1)  # [B, N+1]
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # current input index per row
     p_cur = None if greedy else target_probs[:, 0].clone()  # [B, V]
+    use_q = not greedy and draft_probs is not None and sampled_rows is not None and bool(sampled_rows.any())
+    if use_q:
+        sq = sampled_rows.to(dev)
+        q_cur = draft_probs[:, 0].to(p_cur.dtype).clone()  # q for the current node's children
     path: list[list[int]] = [[] for _ in range(B)]
     rows = torch.arange(B, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -145,14 +181,31 @@ def verify_tree(
             if greedy:
                 ok = live & (x == best[rows, cur])
             else:
-                ok = live & (uniforms[rows, (c - 1).clamp(min=0)] < p_cur[rows, x])
-                # a rejected candidate leaves the residual: p without x, renormalised
+                u = uniforms[rows, (c - 1).clamp(min=0)].to(p_cur.dtype)
+                qx = torch.where(sq, q_cur[rows, x], 1.0) if use_q else torch.ones_like(u)
+                # a sampled candidate q gives no mass (drawn without replacement after q's support
+                # ran out) was not drawn from q: skip it, p and q unchanged
+                live = live & (qx > 0)
+                ok = live & (u * qx < p_cur[rows, x])  # u < p/q, with q(x) = 1 for a one-hot draft
                 rej = live & ~ok
                 if bool(rej.any()):
-                    p_cur[rej, x[rej]] = 0.0
-                    p_cur[rej] = p_cur[rej] / p_cur[rej].sum(-1, keepdim=True).clamp_min(1e-300)
+                    # the residual norm(max(0, p − q)); a one-hot q removes x from p
+                    q_vec = torch.zeros_like(p_cur[rej]).scatter_(1, x[rej].view(-1, 1), 1.0)
+                    if use_q:
+                        q_vec = torch.where(sq[rej].view(-1, 1), q_cur[rej], q_vec)
+                    res = (p_cur[rej] - q_vec).clamp_min(0.0)
+                    total = res.sum(-1, keepdim=True)
+                    # p == q leaves nothing: a rejection had probability 0, any choice is exact
+                    p_cur[rej] = torch.where(total > 0, res / total.clamp_min(1e-300), p_cur[rej])
+                    if use_q and without_replacement:  # the next sibling was drawn from q without x
+                        wr = rej & sq
+                        if bool(wr.any()):
+                            q_cur[wr, x[wr]] = 0.0
+                            q_cur[wr] = q_cur[wr] / q_cur[wr].sum(-1, keepdim=True).clamp_min(1e-300)
                 if bool(ok.any()):
                     p_cur[ok] = target_probs[ok, c[ok]]
+                    if use_q:
+                        q_cur[ok] = draft_probs[ok, c[ok]].to(q_cur.dtype)
             for b in ok.nonzero().flatten().tolist():
                 path[b].append(int(c[b]))
             cur = torch.where(ok, c, cur)

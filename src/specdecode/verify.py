@@ -192,6 +192,9 @@ def _verify_tree_round(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng
     greedy = warp.all_greedy
     probs = None if greedy else logits_to_probs(logits, warp)
     V = logits.shape[-1]
+    sampled_rows = None
+    if proposal.probs is not None and not greedy:  # candidates drawn from the drafter's q
+        sampled_rows = torch.tensor(warp.sampled, device=dev)
     tv = verify_tree(
         tree,
         nodes,
@@ -199,6 +202,9 @@ def _verify_tree_round(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng
         logits,
         None if greedy else rng.uniforms([tree.size if s else 0 for s in warp.sampled], tree.size),
         None if greedy else rng.exp_noise(V, warp.sampled),
+        proposal.probs,
+        sampled_rows,
+        tree.sampling == "without-replacement",
     )
     accepted = torch.tensor([len(p) for p in tv.path], device=dev)
     tokens = torch.zeros(B, D + 1, dtype=torch.long)

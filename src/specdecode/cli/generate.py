@@ -64,6 +64,15 @@ def register(sub) -> None:
         help="verify a token tree in one forward: branching per depth (3,2,1) or JSON choices "
         "([[0],[1],[0,0]]); drafted by --draft, each node one of the draft's top-ranked tokens",
     )
+    g.add_argument(
+        "--tree-sampling",
+        choices=("topk", "with-replacement", "without-replacement"),
+        default=None,
+        help="how --tree's candidates are chosen: topk (default: the drafter's top-ranked tokens, "
+        "best for greedy), with-replacement or without-replacement (drawn from the drafter's "
+        "distribution and verified with SpecInfer's / Sequoia's exact multi-candidate rule: better "
+        "at temperature > 0)",
+    )
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
@@ -167,6 +176,7 @@ def _generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         confidence_threshold=args.confidence_threshold,
         tree=args.tree,
+        tree_sampling=args.tree_sampling,
         heads=method_heads(args.target, args.method, args.heads),
         cost_model=cost_model,
         batch_invariant=args.batch_invariant or None,

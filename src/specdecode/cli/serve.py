@@ -45,6 +45,12 @@ def register(sub) -> None:
     )
     s.add_argument("--tree", metavar="CHOICES", help="verify a token tree per round (see generate --help)")
     s.add_argument(
+        "--tree-sampling",
+        choices=("topk", "with-replacement", "without-replacement"),
+        default=None,
+        help="how --tree's candidates are chosen (see generate --help)",
+    )
+    s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -139,6 +145,7 @@ def build(args: argparse.Namespace):
         method=method,
         policy=args.policy,
         tree=args.tree,
+        tree_sampling=args.tree_sampling,
         heads=method_heads(args.target, method, args.heads),
         batch_invariant=(lean and not args.no_batch_invariant) or None,
     )

@@ -80,8 +80,10 @@ class Drafter:
         A row draws random numbers (from ctx.rng) only for the tokens it drafts."""
         raise NotImplementedError
 
-    def propose_tree(self, state: Any, ctx: DraftContext, tree: TokenTree) -> torch.Tensor:
-        """[B, N] the tree's candidate tokens (node i + 1 = tree.choices[i])."""
+    def propose_tree(self, state: Any, ctx: DraftContext, tree: TokenTree) -> torch.Tensor | Proposal:
+        """[B, N] the tree's candidate tokens (node i + 1 = tree.choices[i]), top-ranked; or, for
+        a sampled tree, a Proposal whose probs [B, N + 1, V] are the drafter's q at the root and
+        every node (TreeDraw does both)."""
         raise SpecDecodeError(f"method {self.name!r} does not draft token trees")
 
     def observe(self, state: Any, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
@@ -141,6 +143,64 @@ class DraftChain:
         probs = None if self.greedy else torch.stack(self.probs, 1)
         lengths = torch.tensor(self.counts, dtype=torch.long, device=self.ctx.device)
         return Proposal(torch.stack(self.tokens, 1), probs, lengths)
+
+
+class TreeDraw:
+    """A token tree's candidates, chosen level by level, shared by every drafter's propose_tree.
+
+    The children of each node are the drafter's top-ranked tokens after it (tree.sampling
+    "topk", and always for greedy rows) or, for rows that sample, draws from the drafter's
+    warped distribution q after that node: independent draws (with-replacement) or distinct ones
+    by the exponential race, top `count` of q / Exp(1) (without-replacement). The q of every
+    node whose children were drawn is kept: the verifier's multi-candidate rule needs it."""
+
+    def __init__(self, ctx: DraftContext, tree: TokenTree) -> None:
+        self.ctx, self.tree = ctx, tree
+        greedy = ctx.warp.all_greedy or not tree.sampled
+        self.rows = [False] * ctx.size if greedy else [bool(s) for s in ctx.warp.sampled]
+        self.sampled = any(self.rows)
+        self.nodes = torch.zeros(ctx.size, tree.size, dtype=torch.long, device=ctx.device)
+        self.q: dict[int, torch.Tensor] = {}  # input index -> [B, V] q of its children
+        self._parents, self._depths = tree.parents(), tree.depths().tolist()
+
+    def level(self, d: int, logits_of) -> list[int]:
+        """Choose the candidates at depth d; logits_of(i) gives the drafter's logits [B, V] after
+        input i (0 = the root). Returns the input indices of depth d, in order."""
+        idx = [i for i in range(1, self.tree.size + 1) if self._depths[i] == d]
+        by_parent: dict[int, list[int]] = {}
+        for i in idx:
+            by_parent.setdefault(self._parents[i - 1], []).append(i)
+        for parent, kids in by_parent.items():
+            ranks = [self.tree.choices[i - 1][-1] for i in kids]
+            picks = self._children(parent, logits_of(parent), max(ranks) + 1)
+            for i, r in zip(kids, ranks):
+                self.nodes[:, i - 1] = picks[:, r]
+        return idx
+
+    def _children(self, parent: int, logits: torch.Tensor, count: int) -> torch.Tensor:
+        top = logits.topk(count, -1).indices  # [B, count]
+        if not self.sampled:
+            return top
+        q = logits_to_probs(logits.unsqueeze(1), self.ctx.warp).squeeze(1)  # [B, V]
+        self.q[parent] = q
+        V = q.shape[-1]
+        if self.tree.sampling == "without-replacement":
+            keys = q.double() / self.ctx.rng.exp_noise(V, self.rows)
+            picks = keys.topk(count, -1).indices
+        else:
+            picks = torch.stack([sample(q, self.ctx.rng.exp_noise(V, self.rows)) for _ in range(count)], 1)
+        rows = torch.tensor(self.rows, device=logits.device).view(-1, 1)
+        return torch.where(rows, picks, top)
+
+    def proposal(self) -> Proposal | torch.Tensor:
+        """The candidates [B, N] (top-ranked) or a Proposal with q at root and every node."""
+        if not self.sampled:
+            return self.nodes
+        first = next(iter(self.q.values()))
+        probs = first.new_zeros(self.ctx.size, self.tree.size + 1, first.shape[-1])
+        for i, q in self.q.items():
+            probs[:, i] = q
+        return Proposal(self.nodes, probs, tree=self.tree)
 
 
 def confidence(logits: torch.Tensor, probs: list[torch.Tensor] | None, tokens: torch.Tensor) -> torch.Tensor:

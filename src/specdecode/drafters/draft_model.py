@@ -10,7 +10,7 @@ from ..errors import SpecDecodeError
 from ..models.base import Cache, CausalLM, ForwardMeta, extend
 from ..tree import TokenTree
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter
+from .base import DraftChain, DraftContext, Drafter, TreeDraw
 
 
 @dataclass
@@ -63,21 +63,17 @@ class DraftModelDrafter(Drafter):
         return chain.proposal()
 
     @torch.inference_mode()
-    def propose_tree(self, state: DraftModelState, ctx: DraftContext, tree: TokenTree) -> torch.Tensor:
-        """[B, N] candidates: node (..., r) is the draft's (r+1)-th most likely token after its
-        parent, level by level, one draft forward per level with the tree's attention mask."""
-        B, N, cache = ctx.size, tree.size, state.cache
+    def propose_tree(self, state: DraftModelState, ctx: DraftContext, tree: TokenTree):
+        """Candidates level by level (TreeDraw: top-ranked, or drawn from the draft's q after
+        their parent), one draft forward per level with the tree's attention mask."""
+        B, cache = ctx.size, state.cache
         logits, _ = extend(self.model, cache, ctx.tokens, ctx.lengths)  # after the pending token
         base = cache.lengths  # the pending token is at base - 1
-        parents, depths, mask = tree.parents(), tree.depths(), tree.mask().to(ctx.device)
-        nodes = torch.zeros(B, N, dtype=torch.long, device=ctx.device)
+        mask = tree.mask().to(ctx.device)
+        draw = TreeDraw(ctx, tree)
         level_logits = {0: logits}  # input index of a fed node -> its next-token logits [B, V]
         for d in range(1, tree.depth + 1):
-            idx = [i for i in range(1, N + 1) if int(depths[i]) == d]  # input indices at depth d
-            ranks = [tree.choices[i - 1][-1] for i in idx]
-            for i, r in zip(idx, ranks):
-                top = level_logits[parents[i - 1]].topk(r + 1, -1).indices  # [B, r + 1]
-                nodes[:, i - 1] = top[:, r]
+            idx = draw.level(d, level_logits.__getitem__)  # input indices at depth d
             if d == tree.depth:
                 break
             # feed this level to get the distributions after each of its nodes
@@ -88,10 +84,10 @@ class DraftModelDrafter(Drafter):
                 offset=first,
                 advance=False,
             )
-            out, _ = self.model.forward(nodes[:, first : first + len(idx)], cache, meta)
+            out, _ = self.model.forward(draw.nodes[:, first : first + len(idx)], cache, meta)
             for j, i in enumerate(idx):
                 level_logits[i] = out[:, j]
-        return nodes
+        return draw.proposal()
 
     def commit(self, state: DraftModelState, lengths: torch.Tensor) -> None:
         state.cache.rewind(torch.minimum(state.cache.lengths, lengths))

@@ -21,7 +21,7 @@ from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, catch_up, pad_positions
+from .base import DraftChain, DraftContext, Drafter, TreeDraw, catch_up, pad_positions
 
 KIND = "specdecode-eagle"
 
@@ -109,25 +109,22 @@ class EagleDrafter(Drafter):
         return logits, hidden, todo
 
     @torch.inference_mode()
-    def propose_tree(self, state: EagleState, ctx: DraftContext, tree) -> torch.Tensor:
-        """[B, N] candidates: each node's children are the layer's top-ranked tokens after it,
-        one layer forward per depth over (parent feature, node token) pairs with the tree mask."""
-        B, N = ctx.size, tree.size
+    def propose_tree(self, state: EagleState, ctx: DraftContext, tree):
+        """Candidates (TreeDraw: each node's children top-ranked or drawn from the layer's q
+        after it), one layer forward per depth over (parent feature, node token) pairs."""
+        B = ctx.size
         logits, feat, _ = self._catch_up(state, ctx)
         base = state.cache.lengths  # slot of the first draft pair
-        parents, depths, mask = tree.parents(), tree.depths(), tree.mask().to(ctx.device)
-        nodes = torch.zeros(B, N, dtype=torch.long, device=ctx.device)
+        parents, mask = tree.parents(), tree.mask().to(ctx.device)
+        draw = TreeDraw(ctx, tree)
         level = {0: (logits, feat)}  # input index -> (logits after it, its predicted feature)
         for d in range(1, tree.depth + 1):
-            idx = [i for i in range(1, N + 1) if int(depths[i]) == d]
-            for i in idx:
-                r = tree.choices[i - 1][-1]
-                nodes[:, i - 1] = level[parents[i - 1]][0].topk(r + 1, -1).indices[:, r]
+            idx = draw.level(d, lambda i: level[i][0])
             if d == tree.depth:
                 break
             first = idx[0] - 1
             parent_feats = torch.stack([level[parents[i - 1]][1] for i in idx], 1)  # [B, T, d]
-            toks = nodes[:, first : first + len(idx)]
+            toks = draw.nodes[:, first : first + len(idx)]
             meta = ForwardMeta(
                 positions=base.view(B, 1) + d - 1,
                 tree_mask=mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
@@ -139,7 +136,7 @@ class EagleDrafter(Drafter):
             out, h = self.layer.forward(toks, state.cache, meta)
             for t, i in enumerate(idx):
                 level[i] = (out[:, t], h[:, t])
-        return nodes
+        return draw.proposal()
 
     @torch.inference_mode()
     def propose(

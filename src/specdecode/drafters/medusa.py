@@ -20,7 +20,7 @@ from ..errors import SpecDecodeError
 from ..models.llama import LlamaModel
 from ..tree import TokenTree
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter
+from .base import DraftChain, DraftContext, Drafter, TreeDraw
 
 KIND = "specdecode-medusa-heads"
 
@@ -132,17 +132,19 @@ class MedusaDrafter(Drafter):
         return chain.proposal()
 
     @torch.inference_mode()
-    def propose_tree(self, state: MedusaState, ctx: DraftContext, tree: TokenTree) -> torch.Tensor:
+    def propose_tree(self, state: MedusaState, ctx: DraftContext, tree: TokenTree):
         if tree.depth > self.heads.num_heads:
             raise SpecDecodeError(
                 f"a tree of depth {tree.depth} needs {tree.depth} Medusa heads, have {self.heads.num_heads}"
             )
-        width = 1 + max(max(c) for c in tree.choices)
-        top = self._logits(state).topk(width, -1).indices  # [B, h, width]
-        nodes = torch.zeros(ctx.size, tree.size, dtype=torch.long, device=ctx.device)
-        for i, c in enumerate(tree.choices):
-            nodes[:, i] = top[:, len(c) - 1, c[-1]]
-        return nodes  # rows with no feature yet get candidates from a zero feature (still exact)
+        # head d drafts depth d + 1 from the last committed hidden state whatever the parent, so
+        # the q after every node at depth d is head d's (still exact: q may be any distribution)
+        logits = self._logits(state)  # [B, h, V]
+        depths = tree.depths().tolist()
+        draw = TreeDraw(ctx, tree)
+        for d in range(1, tree.depth + 1):
+            draw.level(d, lambda i: logits[:, depths[i]])
+        return draw.proposal()  # rows with no feature yet draw from a zero feature (still exact)
 
     def select_rows(self, state: MedusaState, rows: torch.Tensor) -> None:
         state.hidden, state.known = state.hidden[rows], state.known[rows]
