@@ -34,6 +34,9 @@ class SpecConfig:
     depend on how many drafts or rows share a forward (greedy speculative output then equals
     target-only token for token in bf16 too; our lean runtime only; off by default: it costs
     about 14% of tokens/s in bf16 on this CPU, see docs/batch-invariance.md).
+    rollback: for hybrid targets (linear-attention layers), how a rejected draft's state is
+    undone: snapshot (default: the state after every verified position) or recompute (the
+    positions' inputs, replayed from the state before the round; models/linear_attention.py).
     load_costs: a LoadCosts (or its JSON file): wrap the policy in LoadAwarePolicy, which caps
     the draft length by the running batch size's measured round costs (the server's default)."""
 
@@ -42,6 +45,7 @@ class SpecConfig:
     policy: str = "fixed"
     tree: TokenTree | str | None = None
     tree_sampling: str | None = None
+    rollback: str | None = None
     exit_layer: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
@@ -70,6 +74,8 @@ class SpecConfig:
             raise SpecDecodeError(f"suffix_max must be an integer >= 1, got {self.suffix_max!r}")
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
+        if self.rollback is not None and self.rollback not in ("snapshot", "recompute"):
+            raise SpecDecodeError(f"unknown rollback {self.rollback!r}; choose snapshot or recompute")
         if self.tree_sampling is not None:
             if self.tree_sampling not in TREE_SAMPLING:
                 raise SpecDecodeError(

@@ -251,6 +251,8 @@ class Generation:
         invariant = self.gen.batch_invariant
         if invariant:
             cache = self.target.new_cache(rows.size, rows.tokens.shape[1], invariant=True)
+        elif self.gen.config.rollback is not None:  # a hybrid target (checked by the generator)
+            cache = self.target.new_cache(rows.size, rows.tokens.shape[1], rollback=self.gen.config.rollback)
         else:
             cache = self.target.new_cache(rows.size, rows.tokens.shape[1])
         hidden = None
@@ -432,6 +434,10 @@ class SpeculativeGenerator:
                 "transformers' kernels do not give it"
             )
         self.batch_invariant = lean and bool(config.batch_invariant)
+        if config.rollback is not None and not (lean and target.cfg.linear_layers):
+            raise SpecDecodeError(
+                "--rollback applies to hybrid targets (linear-attention layers); this target has none"
+            )
         self.width = config.max_draft if self.drafter is not None else 0
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost

@@ -63,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
     )
     from ..train.model_card import write_model_cards
 
-    write_model_cards(args.out, args.corpus)
+    write_model_cards(args.out, args.corpus, only=tuple(m for m in args.models.split(",") if m))
     for m in result["models"]:
         print(
             f"{args.out}/{m['name']}: {m['params']:,} params, best held-out loss {m['best_val_loss']:.4f} "

@@ -41,12 +41,31 @@ class LlamaConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    # hybrid models (model_type specdecode_hybrid): "linear_attention" or "full_attention" per
+    # layer (models/linear_attention.py); None: every layer is full attention
+    layer_types: tuple[str, ...] | None = None
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types or ()) if t == "linear_attention"]
 
     @staticmethod
     def from_dict(cfg: dict) -> LlamaConfig:
-        """Parse a Hugging Face Llama config; raise NotImplementedError for what we don't run."""
-        if cfg.get("model_type") != "llama":
+        """Parse a Hugging Face Llama config (or our hybrid one, a Llama config with
+        layer_types); raise NotImplementedError for what we don't run."""
+        if cfg.get("model_type") not in ("llama", "specdecode_hybrid"):
             raise NotImplementedError(f"model_type {cfg.get('model_type')!r} is not llama")
+        layer_types = None
+        if cfg.get("model_type") == "specdecode_hybrid":
+            layer_types = tuple(cfg.get("layer_types") or ())
+            if len(layer_types) != cfg["num_hidden_layers"] or not set(layer_types) <= {
+                "linear_attention",
+                "full_attention",
+            }:
+                raise SpecDecodeError(
+                    "a specdecode_hybrid config needs layer_types: one of linear_attention or "
+                    f"full_attention per layer ({cfg['num_hidden_layers']}), got {list(layer_types)}"
+                )
         if cfg.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg['hidden_act']!r}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -68,6 +87,7 @@ class LlamaConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
+            layer_types=layer_types,
         )
 
 
@@ -84,6 +104,8 @@ class _Layer:
     # EAGLE-3's input layer: q|k|v read [attn_norm(embedding of the token), hidden_norm(x)]
     # (2 * hidden inputs) while x, the fed feature, stays the residual
     hidden_norm: torch.Tensor | None = None
+    # a linear-attention layer: qkv projects to q|k|v|α|β (3·H·D + 2·H), no KV cache
+    linear: bool = False
 
     def __post_init__(self) -> None:
         root_d = self.attn_norm.shape[0] ** 0.5  # the norms' weights times √d (see _rms_norm)
@@ -235,8 +257,34 @@ class LlamaModel:
                 self.embed = w(embed)
                 self.lm_head = self.embed
         self.layers: list[_Layer] = []
+        linear = set(cfg.linear_layers)
+        # attention layer i keeps its keys and values in cache layer kv_index[i]
+        self.kv_index = {i: j for j, i in enumerate(i for i in range(cfg.num_layers) if i not in linear)}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
+            if i in linear:
+                la = p + "linear_attn."
+                H = cfg.num_heads
+                bias = torch.cat(
+                    [
+                        torch.zeros(3 * H * cfg.head_dim, dtype=dtype, device=self.device),
+                        w(la + "a_proj.bias"),
+                        torch.zeros(H, dtype=dtype, device=self.device),
+                    ]
+                )
+                mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+                self.layers.append(
+                    _Layer(
+                        attn_norm=w(p + "input_layernorm.weight"),
+                        qkv=Linear(cat([la + f"{n}_proj.weight" for n in "qkvab"]), bias),
+                        o=Linear(w(la + "o_proj.weight")),
+                        mlp_norm=w(p + "post_attention_layernorm.weight"),
+                        gate_up=Linear(cat([n + ".weight" for n in mlp])),
+                        down=Linear(w(p + "mlp.down_proj.weight")),
+                        linear=True,
+                    )
+                )
+                continue
             qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
             mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
             self.layers.append(
@@ -258,6 +306,8 @@ class LlamaModel:
         self.tokenizer: TextTokenizer | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_positions: int | None = None  # RoPE: no hard limit
+        # hybrid models: how new caches roll linear-attention states back (snapshot, recompute)
+        self.rollback = "snapshot"
 
     @staticmethod
     def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
@@ -270,11 +320,30 @@ class LlamaModel:
             n += self.lm_head.numel()
         return n + sum(layer.num_parameters() for layer in self.layers)
 
-    def new_cache(self, batch_size: int, capacity: int, invariant: bool = False) -> KVCache:
+    def new_cache(
+        self, batch_size: int, capacity: int, invariant: bool = False, rollback: str | None = None
+    ) -> KVCache:
         """A cache for `batch_size` rows of `capacity` tokens. invariant=True: the forwards that
         use it are batch-invariant (models/invariant.py): a token's logits do not depend on how
         many tokens or rows share the forward."""
         c = self.cfg
+        if c.linear_layers:
+            from .linear_attention import HybridCache
+
+            if invariant:
+                raise SpecDecodeError("batch invariance is not implemented for linear-attention layers")
+            return HybridCache(
+                len(self.kv_index),
+                c.linear_layers,
+                batch_size,
+                c.num_kv_heads,
+                c.num_heads,
+                capacity,
+                c.head_dim,
+                self.dtype,
+                self.device,
+                rollback=rollback or self.rollback,
+            )
         return KVCache(
             c.num_layers,
             batch_size,
@@ -408,9 +477,26 @@ class LlamaModel:
         d_eps = c.hidden_size * c.rms_norm_eps
         aux_layers = meta.aux_layers if meta.return_hidden else None
         aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
+        parents = None
         for i, layer in enumerate(layers):
             if aux_layers is not None and i in aux_layers:
                 aux[i] = x
+            if layer.linear:
+                from .linear_attention import linear_attention_inputs, tree_parents
+
+                if tree_mask is not None and parents is None:
+                    parents = tree_parents(tree_mask)
+                h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
+                q, k, v, a, b = linear_attention_inputs(layer.qkv(h), B, T, H, D, cache.state_dtype)
+                advance = num_layers is None and meta.advance
+                out = cache.run_layer(i, q, k, v, a, b, parents, advance, offset)
+                attn = out.to(self.dtype).reshape(B * T, H * D)
+                x = layer.o(attn, residual=x, invariant=inv)
+                h = _rms_norm(x, layer.mlp_norm_s, d_eps, inv)
+                gate_up = layer.gate_up(h, invariant=inv)
+                act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
+                x = layer.down(act, residual=x, invariant=inv)
+                continue
             if layer.hidden_norm_s is None:
                 h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
             else:  # EAGLE-3: the token's embedding beside the fed feature
@@ -426,7 +512,8 @@ class LlamaModel:
             qk = qkv[:, :, : H + Hkv]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-            layer_k, layer_v = cache.layer_k[i], cache.layer_v[i]  # [B, Hkv, capacity, D]
+            kv = self.kv_index[i]
+            layer_k, layer_v = cache.layer_k[kv], cache.layer_v[kv]  # [B, Hkv, capacity, D]
             if pos is None:
                 layer_k.narrow(2, s, T).copy_(k)
                 if inv:

@@ -21,6 +21,10 @@ class ModelSpec:
     dim: int
     layers: int
     head_dim: int = 32
+    # hybrid models: the layers that are gated delta-rule linear attention (train/hybrid.py)
+    linear_layers: tuple[int, ...] = ()
+    # trained by a plain `specdecode train --family F`; False: only when named in --models
+    default: bool = True
 
     @property
     def heads(self) -> int:
@@ -29,7 +33,8 @@ class ModelSpec:
     def num_parameters(self, vocab: int) -> int:
         """Parameters of this shape with tied embeddings (embedding + blocks + final norm)."""
         d, i = self.dim, mlp_width(self.dim)
-        return vocab * d + self.layers * (4 * d * d + 3 * d * i + 2 * d) + d
+        gates = len(self.linear_layers) * (2 * self.heads * d + self.heads)  # α, β projections
+        return vocab * d + self.layers * (4 * d * d + 3 * d * i + 2 * d) + d + gates
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,14 @@ FAMILIES: dict[str, Family] = {
     "three-kingdoms": Family(
         name="three-kingdoms",
         vocab=2048,
-        models=(ModelSpec("target", 256, 4), ModelSpec("draft-128", 128, 4), ModelSpec("draft-64", 64, 4)),
+        models=(
+            ModelSpec("target", 256, 4),
+            ModelSpec("draft-128", 128, 4),
+            ModelSpec("draft-64", 64, 4),
+            # the target's shape with 3 of its 4 layers linear attention: a hybrid target for the
+            # same drafts (trained only when asked: --models hybrid)
+            ModelSpec("hybrid", 256, 4, linear_layers=(0, 1, 2), default=False),
+        ),
         file_glob="*.txt",
         steps=1000,
         seq_len=256,

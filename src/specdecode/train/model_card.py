@@ -59,6 +59,20 @@ def measure_acceptance(
     return out
 
 
+def _architecture(cfg: dict, layers: int, dim: int) -> str:
+    heads = cfg["num_attention_heads"]
+    kinds = cfg.get("layer_types")
+    if not kinds:
+        shape = f"{layers} layers, dim {dim}, {heads} heads, MLP {mlp_width(dim)}"
+        return f"| architecture | Llama, {shape}, tied embeddings |"
+    linear = [i for i, t in enumerate(kinds) if t == "linear_attention"]
+    return (
+        f"| architecture | hybrid Llama: {layers} layers, dim {dim}, {heads} heads, MLP {mlp_width(dim)}, "
+        f"tied embeddings; layers {', '.join(map(str, linear))} gated delta-rule linear attention, "
+        "the others full attention |"
+    )
+
+
 def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measured_on: str) -> str:
     m, c, corpus = meta["model"], meta["config"], meta["corpus"]
     dim, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
@@ -71,8 +85,7 @@ def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measu
         "| | |",
         "|---|---|",
         f"| parameters | {m['params']:,} |",
-        f"| architecture | Llama, {layers} layers, dim {dim}, {cfg['num_attention_heads']} heads, "
-        f"MLP {mlp_width(dim)}, tied embeddings |",
+        _architecture(cfg, layers, dim),
         f"| vocabulary | {cfg['vocab_size']:,} (byte-level BPE, `tokenizers`) |",
         f"| corpus | `{Path(corpus['corpus']).name}`: {corpus['files']:,} file(s), "
         f"{corpus['characters']:,} characters; {corpus['train_tokens']:,} training / "
@@ -94,6 +107,22 @@ def _card(model_dir: Path, meta: dict, cfg: dict, acceptance: dict | None, measu
             f"it), for `--method early-exit --exit-layer {c['early_exit_layer']}` |"
         )
     lines.append("")
+    attention_target = model_dir.parent / meta["target"] / "training.json"
+    if cfg.get("layer_types") and attention_target.exists():
+        ref = json.loads(attention_target.read_text())["model"]
+        lines += [
+            "## Beside the attention-only target",
+            "",
+            f"Trained on the same corpus, tokenizer and batches as `{meta['family']}/{meta['target']}` "
+            "(same seed, steps and schedule); held-out loss per token, lower is better:",
+            "",
+            "| model | parameters | held-out loss | at step |",
+            "|---|---|---|---|",
+            f"| {meta['target']} (attention only) | {ref['params']:,} | {ref['best_val_loss']:.4f} "
+            f"| {ref['best_step']:,} |",
+            f"| {model_dir.name} | {m['params']:,} | {m['best_val_loss']:.4f} | {m['best_step']:,} |",
+            "",
+        ]
     if acceptance:
         lines += [
             f"## Acceptance against `{meta['family']}/{meta['target']}` (k = 4)",
@@ -134,14 +163,17 @@ def write_model_cards(
     prompts: int = 8,
     prompt_tokens: int = 32,
     new_tokens: int = 64,
+    only: tuple[str, ...] = (),
 ) -> list[Path]:
-    """Write MODEL_CARD.md into every model directory of a trained family directory."""
+    """Write MODEL_CARD.md into every model directory of a trained family directory (only
+    those named, when `only` is given)."""
     family_dir = Path(family_dir)
     dirs = sorted(p for p in family_dir.iterdir() if (p / "training.json").exists())
     if not dirs:
         raise SpecDecodeError(f"{family_dir} has no trained models (no */training.json)")
     metas = {d: json.loads((d / "training.json").read_text()) for d in dirs}
-    target = next((d for d in dirs if metas[d]["role"] == "target"), None)
+    # the family's target (a hybrid target is a target too, but the drafts were measured against this)
+    target = next((d for d in dirs if metas[d]["role"] == "target" and d.name == metas[d]["target"]), None)
     corpus = corpus or metas[dirs[0]]["corpus"]["corpus"]
     if target is not None and not Path(corpus).exists():
         raise SpecDecodeError(f"corpus {corpus} not found; pass --corpus to measure acceptance")
@@ -151,6 +183,8 @@ def write_model_cards(
     )
     written = []
     for d in dirs:
+        if only and d.name not in only:
+            continue
         acc = None
         if metas[d]["role"] == "draft" and target is not None:
             acc = measure_acceptance(target, d, held, new_tokens)

@@ -135,7 +135,7 @@ def _save_model(model, tok, out: Path, log: ModelLog, meta: dict) -> None:
     half.load_state_dict(model.state_dict())
     half = half.to(torch.float16)
     with quiet_transformers():
-        half.save_pretrained(str(tmp))
+        half.save_pretrained(str(tmp))  # a HybridLM writes our own hybrid layout
         PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(str(tmp))
     (tmp / "training.json").write_text(json.dumps(meta | {"model": asdict(log)}, indent=1) + "\n")
     if out.exists():
@@ -201,7 +201,7 @@ def train_family(
         early_exit_weight=early_exit_weight,
         models=list(only),
     )
-    specs = [m for m in family.models if not only or m.name in only]
+    specs = [m for m in family.models if (m.name in only if only else m.default)]
     state_path = state_dir / "state.pt"
     if resume and not state_path.exists():
         raise SpecDecodeError(f"--resume: no training state in {state_dir}; start without --resume")
@@ -246,7 +246,21 @@ def train_family(
     models, opts, logs = [], [], []
     for spec in specs:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
+        if spec.linear_layers:
+            from .hybrid import HybridLM, hybrid_config
+
+            config = hybrid_config(
+                family.vocab,
+                spec.dim,
+                spec.layers,
+                spec.heads,
+                mlp_width(spec.dim),
+                spec.linear_layers,
+                eos_id,
+            )
+            model = HybridLM(config).float().train()
+        else:
+            model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
         _scale_residual_init(model, spec.layers)
         models.append(model)
         opts.append(_optimizer(model, cfg))
@@ -263,7 +277,8 @@ def train_family(
     def meta_for(spec: ModelSpec) -> dict:
         return {
             "family": family.name,
-            "role": "target" if spec is family.target else "draft",
+            "role": "target" if spec is family.target or spec.linear_layers else "draft",
+            "architecture": "hybrid" if spec.linear_layers else "llama",
             "target": family.target.name,
             "peak_lr": peak_lr(cfg, spec.dim),
             "config": asdict(cfg),
