@@ -12,7 +12,11 @@ present = [n for n in BUNDLED if (models_dir() / n / "config.json").exists()]
 pytestmark = pytest.mark.skipif(not present, reason="no bundled models in this checkout")
 
 
-@pytest.mark.parametrize("name", present)
+def is_hybrid(name: str) -> bool:
+    return json.loads((models_dir() / name / "config.json").read_text())["model_type"] == "specdecode_hybrid"
+
+
+@pytest.mark.parametrize("name", [n for n in present if not is_hybrid(n)])
 def test_bundled_model_loads_by_name_and_in_transformers_offline(name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,7 +43,7 @@ def test_family_shares_one_tokenizer_and_targets_have_lowest_heldout_loss(family
     assert len(tokenizers) == 1
     target = f"{family}/target"
     for n in names:
-        if n != target:
+        if metas[n]["role"] == "draft":
             assert metas[target]["model"]["best_val_loss"] < metas[n]["model"]["best_val_loss"], n
 
 
@@ -92,3 +96,28 @@ def test_streamed_text_equals_the_json_text_across_split_characters(capsys):
     assert main([*args, "--json"]) == 0
     text = json.loads(capsys.readouterr().out)["text"]
     assert streamed == text + "\n"
+
+
+@pytest.mark.skipif("three-kingdoms/hybrid" not in present, reason="the hybrid target is not bundled")
+def test_bundled_hybrid_loads_by_name_matches_its_training_module_and_reports_beside_the_target():
+    from safetensors.torch import load_file
+
+    from specdecode.train.hybrid import HybridLM
+
+    path = models_dir() / "three-kingdoms/hybrid"
+    ours = load("three-kingdoms/hybrid")
+    ref = HybridLM(json.loads((path / "config.json").read_text()))
+    ref.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+    ids = ours.tokenizer.encode("孔明曰：「")
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits
+    got = ours.forward(torch.tensor([ids]), ours.new_cache(1, len(ids)))[0]
+    assert (got - want).abs().max().item() < 1e-3
+    card = (path / "MODEL_CARD.md").read_text()
+    assert "Beside the attention-only target" in card and "linear attention" in card
+    meta = json.loads((path / "training.json").read_text())
+    target = json.loads((models_dir() / "three-kingdoms/target/training.json").read_text())
+    assert (
+        meta["config"]["steps"] == target["config"]["steps"]
+        and meta["config"]["seed"] == target["config"]["seed"]
+    )

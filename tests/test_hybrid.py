@@ -43,6 +43,18 @@ def hybrid(hybrid_dirs):
     return load(t, dtype=torch.float64), load(d, dtype=torch.float64), load(a, dtype=torch.float64)
 
 
+@pytest.fixture(scope="module")
+def hybrid_eagle(hybrid_dirs, tmp_path_factory) -> Path:
+    """An EAGLE drafter trained (briefly) on the hybrid target's features by train-heads."""
+    from specdecode.train.heads import train_eagle
+
+    root = tmp_path_factory.mktemp("hybrid-eagle")
+    text = root / "c.txt"
+    text.write_text("".join(f"the cat sat on the mat {i}.\n" for i in range(2000)))
+    train_eagle(hybrid_dirs[0], text, root / "e", steps=3, batch_size=4, seq_len=32, progress=False)
+    return root / "e"
+
+
 def test_runtime_logits_equal_the_training_module_and_decoding_step_by_step(hybrid_dirs, hybrid):
     from safetensors.torch import load_file
 
@@ -114,7 +126,7 @@ def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 1.0) -> Medus
     )
 
 
-def generators(hybrid, rollback: str) -> dict:
+def generators(hybrid, eagle: Path, rollback: str) -> dict:
     target, hybrid_draft, attention_draft = hybrid
     common = {"rollback": rollback}
     return {
@@ -128,15 +140,21 @@ def generators(hybrid, rollback: str) -> dict:
         "medusa tree": SpeculativeGenerator(
             target, method="medusa", heads=random_heads(64), tree="3,1,1", **common
         ),
+        "eagle": SpeculativeGenerator(target, method="eagle", heads=eagle, k=3, **common),
+        "eagle tree": SpeculativeGenerator(
+            target, method="eagle", heads=eagle, tree="2,2", tree_sampling="with-replacement", **common
+        ),
     }
 
 
 @pytest.mark.filterwarnings("ignore::specdecode.drafters.early_exit.UntrainedExitWarning")
 @pytest.mark.parametrize("rollback", ROLLBACKS)
-def test_greedy_output_equals_target_only_with_every_method_batch_1_and_ragged(hybrid, rollback):
+def test_greedy_output_equals_target_only_with_every_method_batch_1_and_ragged(
+    hybrid, hybrid_eagle, rollback
+):
     target = hybrid[0]
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
-    for name, gen in generators(hybrid, rollback).items():
+    for name, gen in generators(hybrid, hybrid_eagle, rollback).items():
         alone = [gen.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
         assert alone == want, name
         assert [r.token_ids for r in gen.generate(PROMPTS, GREEDY)] == want, name

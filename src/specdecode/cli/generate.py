@@ -65,6 +65,14 @@ def register(sub) -> None:
         "([[0],[1],[0,0]]); drafted by --draft, each node one of the draft's top-ranked tokens",
     )
     g.add_argument(
+        "--rollback",
+        choices=("snapshot", "recompute"),
+        default=None,
+        help="hybrid targets (linear-attention layers): undo a rejected draft's recurrent state from "
+        "a snapshot per verified position (default) or by replaying the kept positions' inputs "
+        "from the state before the round (less memory, a replay per round)",
+    )
+    g.add_argument(
         "--tree-sampling",
         choices=("topk", "with-replacement", "without-replacement"),
         default=None,
@@ -177,6 +185,7 @@ def _generate(args: argparse.Namespace) -> int:
         confidence_threshold=args.confidence_threshold,
         tree=args.tree,
         tree_sampling=args.tree_sampling,
+        rollback=args.rollback,
         heads=method_heads(args.target, args.method, args.heads),
         cost_model=cost_model,
         batch_invariant=args.batch_invariant or None,

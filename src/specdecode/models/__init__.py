@@ -21,6 +21,7 @@ BUNDLED = (
     "three-kingdoms/target",
     "three-kingdoms/draft-64",
     "three-kingdoms/draft-128",
+    "three-kingdoms/hybrid",  # 3 of 4 layers linear attention (train/hybrid.py)
     "python-code/target",
     "python-code/draft",
 )

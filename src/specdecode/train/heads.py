@@ -27,10 +27,16 @@ def _target_and_tokenizer(target_dir: Path):
 
     from ..models.hf import quiet_transformers
 
-    with quiet_transformers():
-        model = LlamaForCausalLM.from_pretrained(
-            str(target_dir), dtype=torch.float32, local_files_only=True
-        ).eval()
+    config = json.loads((target_dir / "config.json").read_text())
+    if config.get("model_type") == "specdecode_hybrid":  # no transformers class: our own module
+        from .hybrid import HybridLM
+
+        model = HybridLM.from_pretrained(target_dir).eval()
+    else:
+        with quiet_transformers():
+            model = LlamaForCausalLM.from_pretrained(
+                str(target_dir), dtype=torch.float32, local_files_only=True
+            ).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     tok_file = target_dir / "tokenizer.json"

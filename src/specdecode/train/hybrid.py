@@ -122,34 +122,72 @@ def _rotate_half(x):
     return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
-class HybridLM(nn.Module):
-    """forward(input_ids [B, T]) -> an object with .logits [B, T, V] (the trainer's interface)."""
+class HybridConfig(dict):
+    """The config.json dict, also readable as attributes (what train-heads reads of a target's
+    config: hidden_size, num_attention_heads, ...; max_position_embeddings defaults to 4096)."""
 
-    def __init__(self, config: dict, init_std: float = 0.02) -> None:
+    def __getattr__(self, name):
+        if name in self:
+            return self[name]
+        if name == "max_position_embeddings":
+            return 4096
+        raise AttributeError(name)
+
+
+class _Inner(nn.Module):
+    """embed_tokens, layers, norm; forward(input_ids) -> .last_hidden_state (final-normed)."""
+
+    def __init__(self, c: dict) -> None:
         super().__init__()
-        self.config = dict(config)
-        c = self.config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.model.layers = nn.ModuleList(_Block(c, i) for i in range(c["num_hidden_layers"]))
-        self.model.norm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if p.dim() == 2 and "a_proj" not in name:
-                    p.normal_(0.0, init_std)
+        self.c = c
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(_Block(c, i) for i in range(c["num_hidden_layers"]))
+        self.norm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
 
     def forward(self, input_ids, **_):
-        c = self.config
-        x = self.model.embed_tokens(input_ids)
+        c = self.c
+        x = self.embed_tokens(input_ids)
         T, D = input_ids.shape[1], c["head_dim"]
         inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
         freqs = torch.outer(torch.arange(T, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], -1)
         cos, sin = emb.cos().to(x.dtype)[None, None], emb.sin().to(x.dtype)[None, None]
-        for block in self.model.layers:
+        for block in self.layers:
             x = block(x, cos, sin)
-        logits = F.linear(self.model.norm(x), self.model.embed_tokens.weight)
-        return SimpleNamespace(logits=logits, hidden_states=None)
+        return SimpleNamespace(last_hidden_state=self.norm(x))
+
+
+class HybridLM(nn.Module):
+    """forward(input_ids [B, T]) -> an object with .logits [B, T, V] (the trainer's interface);
+    .model(input_ids).last_hidden_state, .model.embed_tokens and .lm_head.weight as
+    transformers' LlamaForCausalLM has them (what train-heads reads of a frozen target)."""
+
+    def __init__(self, config: dict, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.config = HybridConfig(config)
+        self.model = _Inner(self.config)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2 and "a_proj" not in name:
+                    p.normal_(0.0, init_std)
+
+    @property
+    def lm_head(self) -> SimpleNamespace:  # tied
+        return SimpleNamespace(weight=self.model.embed_tokens.weight)
+
+    def forward(self, input_ids, **_):
+        hidden = self.model(input_ids).last_hidden_state
+        return SimpleNamespace(logits=F.linear(hidden, self.model.embed_tokens.weight), hidden_states=None)
+
+    @staticmethod
+    def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> HybridLM:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        model = HybridLM(json.loads((path / "config.json").read_text()))
+        weights = load_file(str(path / "model.safetensors"))
+        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+        return model.to(dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -162,7 +200,7 @@ class HybridLM(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        cfg = self.config | {"torch_dtype": str(dtype).removeprefix("torch.")}
+        cfg = dict(self.config) | {"torch_dtype": str(dtype).removeprefix("torch.")}
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {"eos_token_id": cfg.get("eos_token_id")}
         (out / "generation_config.json").write_text(json.dumps(gen) + "\n")
