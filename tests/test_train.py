@@ -53,7 +53,7 @@ def test_family_trains_writes_loadable_checkpoints_and_cards(corpus, tmp_path, c
     assert code == 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for spec in FAMILIES["three-kingdoms"].models:
+    for spec in FAMILIES["three-kingdoms"].default_models:
         d = out / spec.name
         model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
         assert sum(p.numel() for p in model.parameters()) == spec.num_parameters(2048)
@@ -98,7 +98,7 @@ def test_resumed_run_equals_uninterrupted_run(corpus, tmp_path, monkeypatch):
     assert (tmp_path / "resumed" / ".train" / "state.pt").exists()
     monkeypatch.setattr(trainer_mod, "batch_at", real)
     train_family(family, corpus, tmp_path / "resumed", resume=True, **TINY)
-    for spec in family.models:
+    for spec in family.default_models:
         a, b = weights(tmp_path / "full" / spec.name), weights(tmp_path / "resumed" / spec.name)
         assert all(torch.equal(a[k], b[k]) for k in a), spec.name
 
@@ -178,3 +178,25 @@ def test_target_alone_with_an_early_exit_loss_trains_its_first_layers_to_predict
         )
 
     assert exit_loss(tmp_path / "ee") < exit_loss(tmp_path / "plain") - 0.2
+
+
+def test_hybrid_trains_only_when_named_beside_the_target_on_the_same_batches(corpus, tmp_path):
+    """--models target,hybrid: both written; the hybrid loads in our runtime, matches its training
+    module, and its card reports its held-out loss beside the attention-only target's."""
+    from specdecode.models import load
+
+    family = FAMILIES["three-kingdoms"]
+    assert "hybrid" not in [m.name for m in family.default_models]
+    train_family(family, corpus, tmp_path / "h", only=("target", "hybrid"), **TINY)
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["hybrid", "target"]
+    meta = json.loads((tmp_path / "h" / "hybrid" / "training.json").read_text())
+    assert meta["architecture"] == "hybrid" and meta["model"]["params"] == family.models[3].num_parameters(
+        2048
+    )
+    model = load(tmp_path / "h" / "hybrid")
+    assert model.cfg.linear_layers == [0, 1, 2]
+    from specdecode.train.model_card import write_model_cards
+
+    write_model_cards(tmp_path / "h", corpus, only=("hybrid",))
+    card = (tmp_path / "h" / "hybrid" / "MODEL_CARD.md").read_text()
+    assert "Beside the attention-only target" in card and "gated delta-rule linear attention" in card

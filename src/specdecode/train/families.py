@@ -53,6 +53,11 @@ class Family:
     def target(self) -> ModelSpec:
         return self.models[0]
 
+    @property
+    def default_models(self) -> tuple[ModelSpec, ...]:
+        """What a plain `specdecode train --family F` trains (not the ones only --models names)."""
+        return tuple(m for m in self.models if m.default)
+
 
 FAMILIES: dict[str, Family] = {
     "three-kingdoms": Family(
