@@ -126,7 +126,17 @@ def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 1.0) -> Medus
     )
 
 
-def generators(hybrid, eagle: Path, rollback: str) -> dict:
+@pytest.fixture(scope="module")
+def hybrid_eagle3(hybrid_dirs, tmp_path_factory) -> Path:
+    """An EAGLE-3 drafter distilled from the hybrid target (our runtime) and trained briefly."""
+    from test_eagle3 import make_drafter
+
+    root = tmp_path_factory.mktemp("hybrid-eagle3")
+    prompts = [[(5 * i + j) % 64 for j in range(3 + i % 4)] for i in range(16)]
+    return make_drafter(hybrid_dirs[0], root, prompts, draft_vocab=48, tokens=16)[1]
+
+
+def generators(hybrid, eagle: Path, eagle3: Path, rollback: str) -> dict:
     target, hybrid_draft, attention_draft = hybrid
     common = {"rollback": rollback}
     return {
@@ -144,17 +154,20 @@ def generators(hybrid, eagle: Path, rollback: str) -> dict:
         "eagle tree": SpeculativeGenerator(
             target, method="eagle", heads=eagle, tree="2,2", tree_sampling="with-replacement", **common
         ),
+        "eagle3": SpeculativeGenerator(target, method="eagle3", heads=eagle3, k=3, **common),
+        "eagle3 tree": SpeculativeGenerator(target, method="eagle3", heads=eagle3, tree="2,2", **common),
+        "auto": SpeculativeGenerator(target, method="auto", heads=eagle3, k=3, **common),
     }
 
 
 @pytest.mark.filterwarnings("ignore::specdecode.drafters.early_exit.UntrainedExitWarning")
 @pytest.mark.parametrize("rollback", ROLLBACKS)
 def test_greedy_output_equals_target_only_with_every_method_batch_1_and_ragged(
-    hybrid, hybrid_eagle, rollback
+    hybrid, hybrid_eagle, hybrid_eagle3, rollback
 ):
     target = hybrid[0]
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
-    for name, gen in generators(hybrid, hybrid_eagle, rollback).items():
+    for name, gen in generators(hybrid, hybrid_eagle, hybrid_eagle3, rollback).items():
         alone = [gen.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
         assert alone == want, name
         assert [r.token_ids for r in gen.generate(PROMPTS, GREEDY)] == want, name

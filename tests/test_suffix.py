@@ -136,3 +136,14 @@ def test_auto_sampling_keeps_the_two_token_joint_mixing_suffix_and_eagle3_rows(v
         ok, msg = check_distribution(pairs, joint)
         assert ok, msg
     assert 0 < acc < tested
+
+
+def test_a_draft_chain_whose_rows_all_have_limit_0_proposes_nothing():
+    """auto can hand every row that still needs its model drafter a limit of 0 (the others take
+    suffix drafts); the chain then proposes an empty draft instead of failing."""
+    from specdecode.drafters.base import DraftChain, DraftContext
+    from specdecode.sampling import Warp
+
+    ctx = DraftContext(torch.zeros(2, 8, dtype=torch.long), torch.tensor([3, 4]), Warp.greedy(2), None)
+    proposal = DraftChain(ctx, torch.zeros(2, dtype=torch.long), None).proposal()
+    assert proposal.width == 0 and proposal.draft_lengths().tolist() == [0, 0]

@@ -140,6 +140,8 @@ class DraftChain:
         return tok, not any(self.active)
 
     def proposal(self) -> Proposal:
+        if not self.tokens:  # every row's limit was 0 (e.g. auto gave all its rows to suffix)
+            return Proposal.empty(self.ctx.size, self.ctx.device)
         probs = None if self.greedy else torch.stack(self.probs, 1)
         lengths = torch.tensor(self.counts, dtype=torch.long, device=self.ctx.device)
         return Proposal(torch.stack(self.tokens, 1), probs, lengths)
