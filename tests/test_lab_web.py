@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from specdecode.lab.web import create_lab_app  # noqa: E402
 from specdecode.roofline import HARDWARE, forward_time, spec_from_config  # noqa: E402
-from specdecode.theory import expected_tokens_per_round, optimal_k  # noqa: E402
+from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_k  # noqa: E402
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 PAIR = "three-kingdoms/target + draft-64"
@@ -320,18 +320,24 @@ def test_browser_replay_steps_three_rounds(page):
     page.locator("#replay").screenshot(path=ARTIFACTS / "lab-replay.png")
 
 
+def settled(page, alpha: float, c: float, k: int) -> None:
+    """Wait until the formula widget shows theory's numbers for these sliders (answers to
+    earlier slider positions may arrive first: the page draws the newest request's answer)."""
+    tokens, best = f"{expected_tokens_per_round(alpha, k):.3f}", str(optimal_k(alpha, c))
+    page.wait_for_function(
+        f"document.querySelector('#fo-tokens').textContent === '{tokens}' && "
+        f"document.querySelector('#fo-best').textContent === '{best}'"
+    )
+
+
 def test_browser_formula_sliders_and_measured_acceptance(page):
     set_range(page, "#fo-alpha", 0.8)
     set_range(page, "#fo-c", 0.05)
     set_range(page, "#fo-k", 4)
-    want = expected_tokens_per_round(0.8, 4)
-    page.wait_for_function(f"document.querySelector('#fo-tokens').textContent === '{want:.3f}'")
-    assert int(page.locator("#fo-best").inner_text()) == optimal_k(0.8, 0.05)
+    settled(page, 0.8, 0.05, 4)
+    assert page.locator("#fo-speedup").inner_text() == f"{expected_speedup(0.8, 4, 0.05):.3f}"
     set_range(page, "#fo-alpha", 0.3)
-    page.wait_for_function(
-        f"document.querySelector('#fo-tokens').textContent === '{expected_tokens_per_round(0.3, 4):.3f}'"
-    )
-    assert int(page.locator("#fo-best").inner_text()) == optimal_k(0.3, 0.05)
+    settled(page, 0.3, 0.05, 4)
     page.select_option("#fo-pair", PAIR)
     page.click("#fo-measure")
     page.wait_for_selector("#fo-m-alpha", timeout=60_000)
