@@ -208,3 +208,14 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return hf, path
+
+
+def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 0.3):
+    """Random Medusa heads (h heads on a d-wide hidden state), float64: exact but weak drafts."""
+    from specdecode.drafters.medusa import MedusaHeads
+
+    g = torch.Generator().manual_seed(seed)
+    return MedusaHeads(
+        torch.randn(h, d, d, generator=g, dtype=torch.float64) * scale / d**0.5,
+        torch.randn(h, d, generator=g, dtype=torch.float64) * scale,
+    )

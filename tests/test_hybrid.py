@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_distribution, noisy_copy, seeded, two_token_joint
+from helpers import check_distribution, noisy_copy, random_heads, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
-from specdecode.drafters.medusa import MedusaHeads
 from specdecode.models.base import ForwardMeta
 from specdecode.models.init import init_model
 from specdecode.models.linear_attention import HybridCache, chunked_delta_rule, delta_step
@@ -118,14 +117,6 @@ def test_recompute_keeps_at_most_one_kth_of_the_snapshots_memory(hybrid):
         assert used["recompute"] * k <= used["snapshot"], (k, used)
 
 
-def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 1.0) -> MedusaHeads:
-    g = torch.Generator().manual_seed(seed)
-    return MedusaHeads(
-        torch.randn(h, d, d, generator=g, dtype=torch.float64) * scale / d**0.5,
-        torch.randn(h, d, generator=g, dtype=torch.float64) * scale,
-    )
-
-
 @pytest.fixture(scope="module")
 def hybrid_eagle3(hybrid_dirs, tmp_path_factory) -> Path:
     """An EAGLE-3 drafter distilled from the hybrid target (our runtime) and trained briefly."""
@@ -146,9 +137,11 @@ def generators(hybrid, eagle: Path, eagle3: Path, rollback: str) -> dict:
         "ngram": SpeculativeGenerator(target, method="ngram", k=3, **common),
         "suffix": SpeculativeGenerator(target, method="suffix", k=3, **common),
         "early-exit": SpeculativeGenerator(target, method="early-exit", exit_layer=1, k=2, **common),
-        "medusa": SpeculativeGenerator(target, method="medusa", k=3, heads=random_heads(64), **common),
+        "medusa": SpeculativeGenerator(
+            target, method="medusa", k=3, heads=random_heads(64, scale=1.0), **common
+        ),
         "medusa tree": SpeculativeGenerator(
-            target, method="medusa", heads=random_heads(64), tree="3,1,1", **common
+            target, method="medusa", heads=random_heads(64, scale=1.0), tree="3,1,1", **common
         ),
         "eagle": SpeculativeGenerator(target, method="eagle", heads=eagle, k=3, **common),
         "eagle tree": SpeculativeGenerator(

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, seeded, two_token_joint
+from helpers import check_distribution, random_heads, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.cli import main
 from specdecode.drafters.medusa import MedusaHeads
@@ -14,14 +14,6 @@ from specdecode.models.init import init_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(2 + (5 * i) % 10)] for i in range(6)]
-
-
-def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 0.3) -> MedusaHeads:
-    g = torch.Generator().manual_seed(seed)
-    return MedusaHeads(
-        torch.randn(h, d, d, generator=g, dtype=torch.float64) * scale / d**0.5,
-        torch.randn(h, d, generator=g, dtype=torch.float64) * scale,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -250,3 +250,24 @@ def test_tree_sampling_needs_a_tree_and_a_known_mode(models):
         SpeculativeGenerator(target, draft=draft, tree_sampling="with-replacement")
     with pytest.raises(SpecDecodeError, match="unknown tree sampling 'random'"):
         SpeculativeGenerator(target, draft=draft, tree="2,2", tree_sampling="random")
+
+
+@pytest.mark.parametrize("without", [False, True], ids=["with-replacement", "without-replacement"])
+def test_sampled_tree_check_catches_swapped_p_and_q(without):
+    """Negative control: the verifier given the draft's q as the target's p and p as q (swapped)
+    emits tokens that follow q; the same check against p must reject them."""
+    (tree, nodes, p_b, scores, u, noise), p, q, _ = sampled_tree_case(without)
+    B = nodes.shape[0]
+    swapped = verify_tree(
+        tree,
+        nodes,
+        q.expand(B, -1, -1),
+        scores,
+        u,
+        noise,
+        p.expand(B, -1, -1),
+        torch.ones(B, dtype=torch.bool),
+        without,
+    )
+    ok, msg = check_distribution(np.array([t[0] for t in swapped.tokens]), p[0].numpy())
+    assert not ok, msg
