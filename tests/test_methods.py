@@ -279,5 +279,5 @@ def test_unknown_policy_and_bad_threshold_are_clear_errors(models):
         SpeculativeGenerator(models[0], k=2, method="ngram", policy="greedy")
     with pytest.raises(SpecDecodeError, match="confidence threshold"):
         SpeculativeGenerator(models[0], k=2, method="ngram", policy="confidence", confidence_threshold=1.5)
-    with pytest.raises(SpecDecodeError, match="only used by method 'draft'"):
+    with pytest.raises(SpecDecodeError, match="only used by methods 'draft' and 'auto'"):
         SpeculativeGenerator(models[0], draft=models[1], method="ngram")

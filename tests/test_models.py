@@ -53,7 +53,7 @@ def test_rewind_then_extend_equals_fresh_prefill_for_ragged_rows(kind, llama_dir
     model = (
         load(llama_dirs["tied-gqa"], dtype=torch.float64)
         if kind == "llama"
-        else load(hf_dirs[kind], dtype=torch.float64)
+        else load(hf_dirs[kind], dtype=torch.float64, backend="hf")
     )
     g = torch.Generator().manual_seed(1)
     B = 3
@@ -85,11 +85,15 @@ def test_select_rows_keeps_the_selected_rows_state(llama_dirs):
     assert (got - want).abs().max().item() < 1e-9
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
-def test_load_uses_transformers_for_other_architectures(kind, hf_dirs):
-    model = load(hf_dirs[kind])
+def test_load_uses_transformers_for_other_architectures(hf_dirs):
+    model = load(hf_dirs["gpt2"])
     assert isinstance(model, HFModel)
     assert model.vocab_size == 96
+
+
+def test_load_runs_qwen2_on_the_lean_runtime_unless_told_otherwise(hf_dirs):
+    assert isinstance(load(hf_dirs["qwen2"]), LlamaModel)
+    assert isinstance(load(hf_dirs["qwen2"], backend="hf"), HFModel)
 
 
 def test_load_rejects_unknown_names_with_a_clear_error(tmp_path):

@@ -175,7 +175,7 @@ def test_chat_demo_runs_every_method_on_smollm2(capsys):
 
     if not (Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "eagle3").exists():
         pytest.skip("no bundled EAGLE-3 drafter")
-    assert main(["demo", "--max-new-tokens", "12", "--json"]) == 0
+    assert main(["demo", "--small", "--max-new-tokens", "12", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["method"] for r in rows] == ["target-only", "eagle3", "ngram", "auto"]
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1 for r in rows)

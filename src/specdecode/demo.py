@@ -153,6 +153,84 @@ CHAT_PROMPTS = (
 )
 CHAT_METHODS = ("eagle3", "ngram", "auto")
 
+# the coding assistant on the real pair: an edit, type hints, a function with tests, an explanation
+PAIR_TARGET, PAIR_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+CODE_PROMPTS = (
+    "Rename the variable `lst` to `numbers` in this function and change nothing else:\n```python\n"
+    "def average(lst):\n    if not lst:\n        return 0.0\n    total = 0\n    for x in lst:\n"
+    "        total += x\n    return total / len(lst)\n```",
+    "Add type hints to this function and return the whole function:\n```python\n"
+    "def merge_counts(a, b):\n    out = dict(a)\n    for key, value in b.items():\n"
+    "        out[key] = out.get(key, 0) + value\n    return out\n```",
+    "Write a Python function `is_palindrome(s)` that ignores case and spaces, and three pytest tests for it.",
+    "Explain in two sentences what this code does:\n```python\nseen = set()\n"
+    "unique = [x for x in items if not (x in seen or seen.add(x))]\n```",
+)
+PAIR_METHODS = ("draft", "suffix", "auto")
+
+
+def _method_table(console: Console, target, gens: dict, chats: list, params, title: str) -> list[dict]:
+    """Every generator on every chat, interleaved (the order rotates per prompt) after a warm-up;
+    print and return rows of tokens/s, tau and the speed-up over gens['target-only']."""
+    from .drafters.suffix import clear_process_caches
+    from .sampling import SamplingParams
+
+    for g in gens.values():  # warm-up
+        g.generate(
+            [chats[0]], SamplingParams(temperature=params.temperature, max_new_tokens=8, seed=params.seed)
+        )
+    clear_process_caches()  # the suffix cache: no timed run drafts from a warm-up's output
+    stats: dict[str, list] = {name: [] for name in gens}
+    outputs: dict[str, list] = {name: [] for name in gens}
+    for i, chat in enumerate(chats):
+        names = list(gens)
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
+            (res,) = gens[name].generate([chat], params)
+            stats[name].append(res.stats)
+            outputs[name].append(list(res.token_ids))
+    base_tps = sum(s.new_tokens for s in stats["target-only"]) / sum(s.wall_s for s in stats["target-only"])
+    rows = []
+    for name, lst in stats.items():
+        tokens, secs = sum(s.new_tokens for s in lst), sum(s.wall_s for s in lst)
+        fwd = sum(s.rounds for s in lst)
+        drafted = sum(s.drafted for s in lst)
+        draft_s, target_s = sum(s.draft_s for s in lst), sum(s.target_s for s in lst)
+        rows.append(
+            {
+                "method": name,
+                "tokens": tokens,
+                "tokens_per_s": tokens / secs,
+                "tau": tokens / fwd if fwd else None,
+                "speedup": tokens / secs / base_tps,
+                "cost_ratio": (draft_s / drafted) / (target_s / fwd)
+                if drafted and fwd and target_s
+                else None,
+                "identical_to_target_only": outputs[name] == outputs["target-only"],
+            }
+        )
+    table = Table(title=title)
+    for col in ("method", "tokens", "tok/s", "τ (tokens/forward)", "draft cost c", "speed-up", "same tokens"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+        c = f"{r['cost_ratio']:.2f}" if r["cost_ratio"] else "-"
+        same = "yes" if r["identical_to_target_only"] else "NO"
+        table.add_row(
+            r["method"], str(r["tokens"]), f"{r['tokens_per_s']:.2f}", tau, c, f"{r['speedup']:.2f}x", same
+        )
+    console.print(table)
+    return rows
+
+
+def _stream_first(console: Console, gen, target, chat, params, what: str, title: str) -> None:
+    legend = Text("colours: ")
+    for how, style in STYLE.items():
+        legend.append(f"{how} ", style=style)
+    console.rule(title)
+    console.print(legend)
+    console.print(Text(f"user: {chat[-1]['content']}", style="bold"))
+    _stream_coloured(console, gen, target.tokenizer, chat, params, label=f"assistant ({what}): ")
+
 
 def run_chat_demo(
     *,
@@ -170,7 +248,6 @@ def run_chat_demo(
     import torch
 
     from .cli.generate import method_heads
-    from .drafters.suffix import clear_process_caches
     from .engine import SpeculativeGenerator
     from .models import load
     from .sampling import SamplingParams
@@ -187,49 +264,92 @@ def run_chat_demo(
         gens[m] = SpeculativeGenerator(target, k=k, method=m, heads=heads, batch_invariant=True)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    legend = Text("colours: ")
-    for how, style in STYLE.items():
-        legend.append(f"{how} ", style=style)
-    shown = methods[0]
-    console.rule(f"{CHAT_MODEL} (bf16, batch-invariant) + {shown}, k = {k}, T = {temperature}")
-    console.print(legend)
-    console.print(Text(f"user: {prompts[0]}", style="bold"))
-    _stream_coloured(console, gens[shown], target.tokenizer, chats[0], params, label="assistant: ")
-    for g in gens.values():  # warm-up
-        g.generate([chats[0]], SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed))
-    clear_process_caches()  # auto's suffix cache: no timed run drafts from a warm-up's output
-    stats: dict[str, list] = {name: [] for name in gens}
-    for i, chat in enumerate(chats):
-        names = list(gens)
-        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
-            stats[name].append(gens[name].generate([chat], params)[0].stats)
-    base_tps = sum(s.new_tokens for s in stats["target-only"]) / sum(s.wall_s for s in stats["target-only"])
-    rows = []
-    for name, lst in stats.items():
-        tokens, secs = sum(s.new_tokens for s in lst), sum(s.wall_s for s in lst)
-        fwd = sum(s.rounds for s in lst)
-        rows.append(
-            {
-                "method": name,
-                "tokens": tokens,
-                "tokens_per_s": tokens / secs,
-                "tau": tokens / fwd if fwd else None,
-                "speedup": tokens / secs / base_tps,
-            }
-        )
-    table = Table(
-        title=f"{CHAT_MODEL}, bf16 batch-invariant, k = {k}, T = {temperature}, {len(prompts)} prompts, "
-        f"{max_new_tokens} new tokens at most, batch 1, this machine"
+    title = f"{CHAT_MODEL} (bf16, batch-invariant) + {methods[0]}, k = {k}, T = {temperature}"
+    _stream_first(console, gens[methods[0]], target, chats[0], params, methods[0], title)
+    rows = _method_table(
+        console,
+        target,
+        gens,
+        chats,
+        params,
+        f"{CHAT_MODEL}, bf16 batch-invariant, k = {k}, T = {temperature}, {len(prompts)} prompts, "
+        f"{max_new_tokens} new tokens at most, batch 1, this machine",
     )
-    for col in ("method", "tokens", "tok/s", "τ (tokens/forward)", "speed-up"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for r in rows:
-        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        table.add_row(r["method"], str(r["tokens"]), f"{r['tokens_per_s']:.1f}", tau, f"{r['speedup']:.2f}x")
-    console.print(table)
     console.print(
         "Greedy output is the target's own with every method (same tokens: the forward is "
         "batch-invariant); the speed-up is wall clock over target-only in this run. "
         "`specdecode demo --lesson` runs the lesson's bundled pairs."
+    )
+    return rows
+
+
+def pair_dtypes() -> tuple[str, str]:
+    """(target, draft) dtypes for the real pair on this machine: bf16 where oneDNN packs bf16
+    weights (AVX-512 BF16: a 5-row bf16 product costs about what one row costs), else an fp32
+    target (oneDNN's packed fp32: 5 rows ~2x one row; bf16 without packing: ~3.6x) under a bf16
+    draft (one row at a time, where bf16 reads half the bytes). The draft's precision never
+    changes the output."""
+    import torch
+
+    from .models.linear import packing_works
+
+    return ("bf16", "bf16") if packing_works(torch.bfloat16) else ("fp32", "bf16")
+
+
+def run_pair_demo(
+    *,
+    k: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    methods: tuple[str, ...] = PAIR_METHODS,
+    prompts: tuple[str, ...] = CODE_PROMPTS,
+    dtypes: tuple[str, str] | None = None,
+    console: Console | None = None,
+) -> list[dict]:
+    """A coding assistant on Qwen2.5-Coder-1.5B-Instruct with its 0.5B sibling as draft: the
+    first answer streamed with the draft model, tokens coloured by provenance; then target-only
+    and each method on every prompt, batch-invariant (so every method's tokens equal
+    target-only's), interleaved after a warm-up: tokens/s, tau, the draft's cost c, speed-up."""
+    import torch
+
+    from .cli.generate import DTYPES
+    from .engine import SpeculativeGenerator
+    from .models import load
+    from .sampling import SamplingParams
+
+    console = console or Console()
+    t_name, d_name = dtypes or pair_dtypes()
+    with console.status(f"loading {PAIR_TARGET} ({t_name}) and {PAIR_DRAFT} ({d_name})"):
+        target = load(PAIR_TARGET, dtype=getattr(torch, DTYPES[t_name]))
+        draft = load(PAIR_DRAFT, dtype=getattr(torch, DTYPES[d_name]))
+    gens = {"target-only": SpeculativeGenerator(target, batch_invariant=True)}
+    for m in methods:
+        use_draft = draft if m in ("draft", "auto") else None
+        gens[m] = SpeculativeGenerator(target, draft=use_draft, k=k, method=m, batch_invariant=True)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    shown = methods[0]
+    title = (
+        f"{PAIR_TARGET} ({t_name}) + {PAIR_DRAFT} ({d_name}) as {shown}, k = {k}, T = {temperature}, "
+        "batch-invariant"
+    )
+    _stream_first(console, gens[shown], target, chats[0], params, shown, title)
+    rows = _method_table(
+        console,
+        target,
+        gens,
+        chats,
+        params,
+        f"coding assistant: {PAIR_TARGET} {t_name} (draft {PAIR_DRAFT} {d_name}), batch-invariant, "
+        f"k = {k}, T = {temperature}, {len(prompts)} prompts, {max_new_tokens} new tokens at most, "
+        "batch 1, this machine",
+    )
+    console.print(
+        "Greedy output is the target's own with every method (the forward is batch-invariant: "
+        "'same tokens'); draft: the 0.5B model drafts k tokens; suffix: copies from the prompt "
+        "and earlier answers; auto: suffix where the match is long, else the draft model. c: the "
+        "drafter's seconds per draft token over the target's per forward, measured. "
+        "`specdecode demo --small` chats with SmolLM2-135M; `--lesson` runs the lesson's pairs."
     )
     return rows

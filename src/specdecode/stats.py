@@ -19,6 +19,9 @@ class GenerationStats:
     draft_acceptance_rate = accepted / drafted (vLLM's figure; it also counts untested drafts).
     draft_s and target_s are the seconds the row's batch spent proposing and in the target's
     decoding forwards (shared by the rows of a batch; the rest of wall_s is prefill and overhead).
+    cost_ratio = (draft_s / drafted) / (target_s / target_forwards): the drafter's seconds per
+    draft token against the target's per forward, the c of speedup = E[tokens] / (k c + 1) as this
+    run measured it (a draft model's forwards include its catch-up on the accepted tokens).
     per_position_acceptance[i] is the fraction of rounds whose draft position i was accepted
     (vLLM's convention: not conditioned on reaching position i).
     """
@@ -53,6 +56,12 @@ class GenerationStats:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def cost_ratio(self) -> float:
+        if not (self.drafted and self.target_forwards and self.target_s > 0):
+            return 0.0
+        return (self.draft_s / self.drafted) / (self.target_s / self.target_forwards)
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
@@ -74,6 +83,7 @@ class GenerationStats:
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
             "target_s": self.target_s,
+            "cost_ratio": self.cost_ratio,
         }
 
     @staticmethod

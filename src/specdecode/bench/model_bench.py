@@ -39,11 +39,17 @@ def category_of(raw: str) -> str:
 
 
 def read_prompts(source: str) -> list[dict]:
-    """[{"id", "category", "text"}] from 'spec-bench' or a JSONL file. Each line: {"turns": [...]}
-    (first turn used), {"prompt": ...} or {"text": ...}, with an optional "category"."""
-    path = SPEC_BENCH if source == "spec-bench" else Path(source)
+    """[{"id", "category", "text"}] from 'spec-bench', 'humaneval' or a JSONL file. Each line:
+    {"turns": [...]} (first turn used), {"prompt": ...} or {"text": ...}, with an optional
+    "category". HumanEval's rows (category humaneval) keep their task for pass@1 ("task") and
+    the chat-mode question ("chat_text")."""
+    from .humaneval import HUMANEVAL, chat_text
+
+    path = {"spec-bench": SPEC_BENCH, "humaneval": HUMANEVAL}.get(source, Path(source))
     if not path.is_file():
-        raise SpecDecodeError(f"--prompts {source}: no such file; pass spec-bench or a .jsonl file")
+        raise SpecDecodeError(
+            f"--prompts {source}: no such file; pass spec-bench, humaneval or a .jsonl file"
+        )
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -56,15 +62,17 @@ def read_prompts(source: str) -> list[dict]:
         text = text or (row.get("prompt") or row.get("text") if isinstance(row, dict) else None)
         if not isinstance(text, str) or not text:
             raise SpecDecodeError(f'{path}:{n} has no prompt; give "turns", "prompt" or "text"')
-        raw = str(row.get("category", "all"))
-        out.append(
-            {
-                "id": row.get("question_id", row.get("id", n)),
-                "category": category_of(raw),
-                "text": text,
-                "raw": raw,
-            }
-        )
+        task = row if {"task_id", "entry_point", "test"} <= set(row) else None
+        raw = str(row.get("category", "humaneval" if task else "all"))
+        prompt = {
+            "id": row.get("question_id", row.get("task_id", row.get("id", n))),
+            "category": category_of(raw),
+            "text": text,
+            "raw": raw,
+        }
+        if task is not None:
+            prompt.update(task=task, chat_text=chat_text(text))
+        out.append(prompt)
     if not out:
         raise SpecDecodeError(f"{path} holds no prompts")
     return _round_robin(out)
@@ -102,6 +110,7 @@ class ModelBenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     dtype: str = "fp32"
+    draft_dtype: str | None = None  # the draft model's (default: dtype)
     device: str = "cpu"
     transformers: bool = True
     llama_cpp: bool = True
@@ -140,6 +149,8 @@ class ModelBenchConfig:
             raise SpecDecodeError(f"unknown --method {cfg.method!r}; choose one of {', '.join(DRAFTERS)}")
         if cfg.method == "draft" and not cfg.draft:
             raise SpecDecodeError("--method draft needs --draft MODEL")
+        if cfg.draft_dtype and not cfg.draft:
+            raise SpecDecodeError("--draft-dtype needs --draft MODEL")
         return cfg
 
 
@@ -187,8 +198,8 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
         if cfg.method == "ngram":
             kw.update(ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min)
         if cfg.draft:
-            kw["draft"] = load(cfg.draft, dtype=dtype, device=cfg.device)
-        heads = method_heads(cfg.target, cfg.method, cfg.heads)
+            kw["draft"] = load(cfg.draft, dtype=_draft_dtype(cfg, dtype), device=cfg.device)
+        heads = method_heads(cfg.target, cfg.method, cfg.heads, draft=cfg.draft)
         if heads is not None:
             kw["heads"] = heads
         if cfg.tree:
@@ -208,7 +219,8 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
             TransformersRunner(f"transformers prompt lookup (k={cfg.k})", hf, "lookup", {"k": cfg.k})
         )
         if cfg.draft:
-            hf_draft = load_transformers(resolve(cfg.draft, dtype), cfg.device, dtype)
+            draft_dtype = _draft_dtype(cfg, dtype)
+            hf_draft = load_transformers(resolve(cfg.draft, draft_dtype), cfg.device, draft_dtype)
             const = {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "constant"}
             runners.append(
                 TransformersRunner(
@@ -230,6 +242,12 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
 
 
 INV_BASE = "ours target-only (batch-invariant)"
+
+
+def _draft_dtype(cfg: ModelBenchConfig, dtype: torch.dtype) -> torch.dtype:
+    from ..cli.generate import DTYPES
+
+    return getattr(torch, DTYPES[cfg.draft_dtype]) if cfg.draft_dtype else dtype
 
 
 def _inv_method(cfg: ModelBenchConfig) -> str:
@@ -264,11 +282,33 @@ def _batched_outputs(runner: Runner, prompts: list[list[int]], cfg: ModelBenchCo
     return out
 
 
-def _encode(target, text: str, chat: bool) -> list[int]:
+def _encode(target, prompt: dict, chat: bool) -> list[int]:
     tok = target.tokenizer
     if tok is None:
         raise SpecDecodeError(f"{target.path} has no tokenizer; bench needs text prompts")
-    return tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+    if chat:
+        return tok.encode_chat([{"role": "user", "content": prompt.get("chat_text", prompt["text"])}])
+    return tok.encode(prompt["text"])
+
+
+def _text_until_eos(target, token_ids: list[int]) -> str:
+    """The text of a run's tokens up to the model's first end-of-sequence token (runs ignore EOS
+    so that every configuration makes the same number of tokens)."""
+    eos = set(target.eos_token_ids)
+    cut = next((i for i, t in enumerate(token_ids) if t in eos), len(token_ids))
+    return target.tokenizer.decode(token_ids[:cut])
+
+
+def _pass_at_1(target, prompts: list[dict], runs: dict[str, list[Run]], chat: bool) -> dict:
+    """pass@1 of each greedy configuration's completions of HumanEval tasks: {runner: {...}}."""
+    from .humaneval import pass_at_1
+
+    tasks = [p["task"] for p in prompts]
+    return {
+        name: pass_at_1(tasks, [_text_until_eos(target, r.token_ids) for r in lst], chat)
+        for name, lst in runs.items()
+        if lst and lst[0].token_ids
+    }
 
 
 def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
@@ -291,7 +331,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     rss0 = _rss_mb()
     target = load(cfg.target, dtype=dtype, device=cfg.device)
     rss_model = _rss_mb() - rss0
-    ids = {c: [_encode(target, p["text"], cfg.chat) for p in ps] for c, ps in by_cat.items()}
+    ids = {c: [_encode(target, p, cfg.chat) for p in ps] for c, ps in by_cat.items()}
     runners = _runners(cfg, target, dtype, log)
 
     # runtime: verification cost, memory floor, memory
@@ -366,6 +406,10 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         return out
 
     categories = {c: {"prompts": len(ids[c]), **summary(runs[c])} for c in chosen}
+    if cfg.temperature == 0:
+        for c in chosen:
+            if all("task" in p for p in by_cat[c]):
+                categories[c]["pass_at_1"] = _pass_at_1(target, by_cat[c], runs[c], cfg.chat)
     if cfg.invariance and cfg.temperature == 0:
         # the same prompts 8 to a batch: every output must equal its batch-of-one run
         inv = next(r for r in runners if r.name == (_inv_method(cfg) if cfg.method else INV_BASE))
@@ -415,7 +459,13 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
 TARGETS = {
     ("eagle3", True): [("tau", "mt_bench", 2.5), ("speedup", "mt_bench", 2.0)],
     ("eagle3", False): [("tau", "mt_bench", 2.0), ("speedup", "mt_bench", 1.6)],
-    ("auto", True): [("speedup", "summarization", 2.5), ("speedup", "rag", 2.5)],
+    ("auto", True): [
+        ("speedup", "summarization", 2.5),
+        ("speedup", "rag", 2.5),
+        ("speedup", "humaneval", 2.0),
+    ],
+    # the real pair (Qwen2.5-Coder-1.5B + 0.5B): the best method >= 2x on HumanEval
+    ("draft", True): [("speedup", "humaneval", 2.0)],
 }
 
 
@@ -466,6 +516,12 @@ def markdown(res: dict) -> str:
             cells.append(f"{r['tokens_per_s']:.1f} tok/s, τ {r['tau']}, {sp:.2f}x")
         lines.append(f"| {cat} | {c['prompts']} | " + " | ".join(cells) + " |")
     lines += ["", "Speed-ups are over ours target-only. τ: tokens per target forward."]
+    for cat, c in res["categories"].items():
+        if "pass_at_1" in c:
+            lines.append(
+                f"pass@1 on {cat} (greedy completions, the tasks' own tests): "
+                + ", ".join(f"{n} {v['passed']}/{v['tasks']}" for n, v in c["pass_at_1"].items())
+            )
     for t in res.get("targets", []):
         mark = "met" if t["met"] else "MISSED"
         lines.append(f"Target: {t['metric']} on {t['category']} {t['value']} (>= {t['target']}): {mark}")

@@ -45,7 +45,8 @@ def register(sub) -> None:
     b.add_argument(
         "--prompts",
         metavar="SOURCE",
-        help='with --target: spec-bench (default) or a JSONL file of {"turns"|"prompt"|"text", '
+        help='with --target: spec-bench (default), humaneval (82 HumanEval tasks; pass@1 of the greedy '
+        'completions is reported beside the speed) or a JSONL file of {"turns"|"prompt"|"text", '
         '"category"}; without: prompts per bundled set, 1..4 (default 4, quick 2)',
     )
     t = b.add_argument_group("any model (--target)")
@@ -71,6 +72,11 @@ def register(sub) -> None:
     t.add_argument("--limit", type=int, help="prompts per category (default all; --quick 2)")
     t.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     t.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weight type (default fp32)")
+    t.add_argument(
+        "--draft-dtype",
+        choices=tuple(DTYPES),
+        help="the draft model's weight type (default --dtype; never changes the output, only its cost)",
+    )
     t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when it is installed")
     t.add_argument(
         "--no-invariance",
@@ -173,6 +179,7 @@ def _bench_model(args: argparse.Namespace, progress: bool) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=temps[0],
         dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
         device=str(resolve_device(args.device)),
         transformers=not args.no_transformers,
         llama_cpp=not args.no_llama_cpp,

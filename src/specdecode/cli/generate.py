@@ -111,6 +111,12 @@ def register(sub) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     g.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weight type (default fp32)")
     g.add_argument(
+        "--draft-dtype",
+        choices=tuple(DTYPES),
+        help="the draft model's weight type (default --dtype): its precision never changes the output "
+        "(the target verifies every token), only its cost",
+    )
+    g.add_argument(
         "--batch-invariant",
         action="store_true",
         help="a token's logits do not depend on how many drafts or rows share the target's forward: "
@@ -165,14 +171,17 @@ def _generate(args: argparse.Namespace) -> int:
 
     warnings.simplefilter("ignore", UntrainedExitWarning)  # printed below, with the measured acceptance
     device, dtype = resolve_device(args.device), getattr(torch, DTYPES[args.dtype])
+    draft_dtype = getattr(torch, DTYPES[args.draft_dtype]) if args.draft_dtype else dtype
+    if args.draft_dtype and not args.draft:
+        raise SpecDecodeError("--draft-dtype needs --draft MODEL")
     resolve(args.target, dtype)
     if args.draft:
-        resolve(args.draft, dtype)
+        resolve(args.draft, draft_dtype)
     cost_model = None
     if args.cost_model and Path(args.cost_model).exists():
         cost_model = CostModel.load(args.cost_model)
     target = load(args.target, backend=args.backend, dtype=dtype, device=device)
-    draft = load(args.draft, backend=args.backend, dtype=dtype, device=device) if args.draft else None
+    draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device) if args.draft else None
     gen = SpeculativeGenerator(
         target,
         draft=draft,
@@ -186,7 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         tree=args.tree,
         tree_sampling=args.tree_sampling,
         rollback=args.rollback,
-        heads=method_heads(args.target, args.method, args.heads),
+        heads=method_heads(args.target, args.method, args.heads, draft=args.draft),
         cost_model=cost_model,
         batch_invariant=args.batch_invariant or None,
     )
@@ -258,11 +267,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def method_heads(target: str, method: str | None, heads: str | None) -> Path | None:
+def method_heads(target: str, method: str | None, heads: str | None, draft: str | None = None) -> Path | None:
     """The trained drafter a method reads: required for medusa, eagle and eagle3; for auto the
-    bundled (or given) EAGLE-3 drafter when there is one."""
+    bundled (or given) EAGLE-3 drafter when there is one and no draft model is given."""
     if method in ("medusa", "eagle", "eagle3"):
         return heads_dir(target, method, heads)
+    if method == "auto" and draft and not heads:
+        return None  # auto's model drafter is the draft model
     if method == "auto":
         try:
             return heads_dir(target, "eagle3", heads)

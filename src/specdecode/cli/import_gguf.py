@@ -1,4 +1,4 @@
-"""`specdecode import-gguf`: a Llama-architecture GGUF -> a Hugging Face model directory."""
+"""`specdecode import-gguf`: a Llama, Qwen2 or Qwen3 GGUF -> a Hugging Face model directory."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from .generate import DTYPES
 def register(sub) -> None:
     m = sub.add_parser(
         "import-gguf",
-        help="convert a Llama-architecture GGUF file into a Hugging Face model directory",
+        help="convert a Llama, Qwen2 or Qwen3 GGUF file into a Hugging Face model directory",
         description="Read FILE with the gguf library, dequantize its tensors (any llama.cpp quantization "
-        "the library reads: F32, F16, Q8_0, Q4_1, K-quants, ...), undo llama.cpp's q/k permutation, and "
+        "the library reads: F32, F16, Q8_0, Q5_0, Q4_1, Q4_K, Q6_K, ...), undo llama.cpp's q/k permutation "
+        "(Llama), and "
         "write config.json, model.safetensors (in --dtype), tokenizer.json, tokenizer_config.json (with "
         "the chat template) and generation_config.json to --out. The result loads offline in specdecode "
-        "and in transformers. Known names such as smollm2-135m are converted this way on first use.",
+        "and in transformers. Known names such as smollm2-135m and qwen2.5-coder-1.5b are converted "
+        "this way on first use.",
     )
     m.add_argument("file", metavar="FILE", help="a .gguf file")
     m.add_argument(

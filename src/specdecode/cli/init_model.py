@@ -1,4 +1,4 @@
-"""`specdecode init-model`: a random Llama checkpoint for tests and experiments."""
+"""`specdecode init-model`: a random Llama, Qwen2 or Qwen3 checkpoint for tests and experiments."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 def register(sub) -> None:
     m = sub.add_parser(
         "init-model",
-        help="write a random-initialised Llama checkpoint with a matching tokenizer",
-        description="Write a random Llama checkpoint directory (config.json, model.safetensors, "
-        "tokenizer files) that transformers and specdecode load offline. For tests and experiments.",
+        help="write a random-initialised Llama/Qwen2/Qwen3 checkpoint with a matching tokenizer",
+        description="Write a random checkpoint directory (config.json, model.safetensors, "
+        "tokenizer files) that transformers and specdecode load offline, made with transformers' own "
+        "class for --arch. For tests and experiments.",
     )
     m.add_argument("out", metavar="OUT", help="output directory")
     m.add_argument(
@@ -23,6 +24,9 @@ def register(sub) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--heads", type=int, default=None, help="attention heads (default dim // 32, at least 1)")
     m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = heads)")
+    m.add_argument(
+        "--arch", default="llama", choices=("llama", "qwen2", "qwen3"), help="architecture (default llama)"
+    )
     m.add_argument("--init-std", type=float, default=0.02, help="std of the random weights (default 0.02)")
     m.set_defaults(func=_init_model)
 
@@ -39,6 +43,7 @@ def _init_model(args: argparse.Namespace) -> int:
         heads=args.heads,
         kv_heads=args.kv_heads,
         init_std=args.init_std,
+        arch=args.arch,
     )
-    print(f"wrote a random Llama checkpoint to {Path(out)}", file=sys.stderr)
+    print(f"wrote a random {args.arch} checkpoint to {Path(out)}", file=sys.stderr)
     return 0

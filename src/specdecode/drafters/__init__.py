@@ -44,9 +44,9 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, config: SpecConfig) -
     cls = DRAFTERS.get(config.method)
     if cls is None:
         raise SpecDecodeError(f"unknown method {config.method!r}; choose one of {', '.join(DRAFTERS)}")
-    if draft is not None and config.method != "draft":
+    if draft is not None and config.method not in ("draft", "auto"):
         raise SpecDecodeError(
-            f"a draft model is only used by method 'draft', not {config.method!r}; drop --draft"
+            f"a draft model is only used by methods 'draft' and 'auto', not {config.method!r}; drop --draft"
         )
     if config.tree is not None and not cls.supports_tree:
         names = [n for n, c in DRAFTERS.items() if c.supports_tree]

