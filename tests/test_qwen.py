@@ -146,3 +146,30 @@ def test_two_token_check_on_qwen3_catches_resampling_from_p(qwen3_v16, monkeypat
     pairs, joint, _ = _two_token(qwen3_v16)
     ok, msg = check_distribution(pairs, joint)
     assert not ok, msg
+
+
+def test_a_bf16_draft_under_an_fp32_target_keeps_the_targets_greedy_tokens(qwen_pairs):
+    target_dir, draft_dir = qwen_pairs["qwen2"]
+    target = load(target_dir)
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    prompts = [[5, 70, 3, 200, 9], [41, 17, 88, 17, 88]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    for method in ("draft", "auto"):
+        gen = SpeculativeGenerator(target, draft=load(draft_dir, dtype=torch.bfloat16), k=3, method=method)
+        got = gen.generate(prompts, params)
+        assert [r.token_ids for r in got] == want, method
+        assert got[0].stats.cost_ratio > 0
+
+
+def test_cli_draft_dtype_reports_the_measured_cost_ratio(qwen_pairs, capsys):
+    import json
+
+    from specdecode.cli import main
+
+    target_dir, draft_dir = (str(p) for p in qwen_pairs["qwen3"])
+    args = ["generate", "--target", target_dir, "--prompt", "hello", "--max-new-tokens", "8", "--ignore-eos"]
+    assert main([*args, "--draft", draft_dir, "--draft-dtype", "bf16", "--temperature", "0", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["cost_ratio"] > 0 and stats["drafted"] > 0
+    assert main([*args, "--draft-dtype", "bf16"]) == 2
+    assert "--draft-dtype needs --draft" in capsys.readouterr().err

@@ -1,0 +1,282 @@
+"""Peers side by side on the real pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B-Instruct draft):
+ours, transformers and llama.cpp on the same prompts, greedy, batch 1, 2 threads, one machine,
+the systems interleaved prompt by prompt. Never needed by CI.
+
+    .venv/bin/python benchmarks/peers.py --build-llama-cpp     # once: llama.cpp from the sdist
+    .venv/bin/python benchmarks/peers.py --limit 4 --max-new-tokens 128
+
+Systems (each reported as tokens/s and speed-up over its own target-only):
+- ours: target-only, draft model (k), suffix, auto; target --dtype (default: what `specdecode
+  demo` picks for this CPU), draft --draft-dtype (default bf16);
+- transformers: generate, assisted generation with the 0.5B draft (k, constant schedule),
+  prompt lookup (k), on our converted checkpoints in --hf-dtype;
+- llama.cpp (built from llama-cpp-python==0.3.36's vendored sources, CMake Release, native
+  flags): `llama-simple` (target-only), `llama-speculative-simple -md <draft>` and
+  `llama-lookup`, on the GGUF files themselves (Q4_K_M) and, with --llama-bf16, on BF16 copies
+  made by `llama-quantize --allow-requantize`;
+- OpenVINO GenAI is not run: `openvino-genai` needs models exported by optimum-intel, which
+  downloads from the hub (see benchmarks/NOTES.md).
+
+Prompts: the demo's four coding prompts (chat), HumanEval tasks (raw completion) and Spec-Bench
+prompts (chat), --limit of each. Writes OUT/peers.json and OUT/peers.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_TOOLS = ("llama-simple", "llama-speculative-simple", "llama-lookup", "llama-quantize", "llama-bench")
+THREADS = 2
+
+
+def build_llama_cpp(dest: Path) -> Path:
+    """llama.cpp's tools from the llama-cpp-python sdist (its vendor/llama.cpp), Release, native."""
+    dest.mkdir(parents=True, exist_ok=True)
+    bin_dir = dest / "build" / "bin"
+    if all((bin_dir / t).exists() for t in LLAMA_TOOLS):
+        return bin_dir
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+             f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
+            check=True,
+        )
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (src,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
+        shutil.copytree(src, dest / "src", dirs_exist_ok=True)
+    build = dest / "build"
+    subprocess.run(
+        ["cmake", "-S", str(dest / "src"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+        check=True,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build), "--config", "Release", "-j", str(os.cpu_count() or 2), "--target",
+         *LLAMA_TOOLS],
+        check=True,
+    )
+    return bin_dir
+
+
+_SPEED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+s")
+_ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
+_DRAFTED = re.compile(r"n_draft(?:ed)?\s*=\s*(\d+)")
+
+
+def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int, draft: Path | None) -> dict:
+    """One llama.cpp run; tokens and seconds from its own 'decoded N tokens in S s' line."""
+    args = [str(bin_dir / tool), "-m", str(model), "-n", str(n)]
+    if tool == "llama-simple":
+        args += [prompt]
+    else:
+        args += ["-p", prompt, "-t", str(THREADS), "-tb", str(THREADS), "--temp", "0", "-c", "4096"]
+        if tool == "llama-speculative-simple":
+            args += ["-md", str(draft), "--draft-max", str(k), "--draft-min", "0", "--draft-p-min", "0"]
+        else:
+            args += ["--draft", str(k)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    t0 = time.perf_counter()
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
+    wall = time.perf_counter() - t0
+    log = done.stdout + done.stderr
+    m = _SPEED.findall(log)
+    if done.returncode != 0 or not m:
+        raise RuntimeError(f"{tool} failed ({done.returncode}): {log[-800:]}")
+    tokens, secs = int(m[-1][0]), float(m[-1][1])
+    acc, dr = _ACCEPT.findall(log), _DRAFTED.findall(log)
+    out = {"tokens": tokens, "seconds": secs, "wall": wall}
+    if acc and dr and int(dr[-1]):
+        out["acceptance"] = int(acc[-1]) / int(dr[-1])
+    return out
+
+
+def prompts(limit: int) -> list[dict]:
+    from specdecode.bench.model_bench import read_prompts
+    from specdecode.demo import CODE_PROMPTS
+
+    out = [{"set": "code (chat)", "text": t, "chat": True} for t in CODE_PROMPTS[:limit]]
+    out += [{"set": "humaneval (raw)", "text": p["text"], "chat": False} for p in read_prompts("humaneval")[:limit]]
+    spec = read_prompts("spec-bench")
+    cats = list(dict.fromkeys(p["category"] for p in spec))
+    out += [
+        {"set": "spec-bench (chat)", "text": next(p for p in spec if p["category"] == c)["text"], "chat": True}
+        for c in cats[:limit]
+    ]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp's tools, then exit")
+    ap.add_argument("--llama-dir", default=str(ROOT / "benchmarks" / ".llama.cpp"), help="where it is built")
+    ap.add_argument("--limit", type=int, default=2, help="prompts of each set (default 2)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), help="our target's dtype (default: as the demo)")
+    ap.add_argument("--draft-dtype", choices=("fp32", "bf16"), default="bf16")
+    ap.add_argument("--hf-dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--systems", default="ours,transformers,llama.cpp", help="comma-separated")
+    ap.add_argument("--llama-bf16", action="store_true", help="also llama.cpp on BF16 copies of the GGUFs")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "qwen-pair"))
+    args = ap.parse_args()
+    llama_dir = Path(args.llama_dir)
+    if args.build_llama_cpp:
+        print(build_llama_cpp(llama_dir))
+        return 0
+
+    import torch
+
+    from specdecode import SamplingParams, SpeculativeGenerator, load
+    from specdecode.bench.runners import TransformersRunner, load_transformers
+    from specdecode.cli.generate import DTYPES
+    from specdecode.demo import PAIR_DRAFT, PAIR_TARGET, pair_dtypes
+    from specdecode.drafters.suffix import clear_process_caches
+    from specdecode.models import ZOO, resolve
+
+    torch.set_num_threads(THREADS)
+    systems = set(args.systems.split(","))
+    t_dtype = args.dtype or pair_dtypes()[0]
+    dt = lambda name: getattr(torch, DTYPES[name])
+    target = load(PAIR_TARGET, dtype=dt(t_dtype))
+    tok = target.tokenizer
+    work = prompts(args.limit)
+    for w in work:
+        w["ids"] = tok.encode_chat([{"role": "user", "content": w["text"]}]) if w["chat"] else tok.encode(w["text"])
+        w["prompt_text"] = tok.decode(w["ids"], skip_special_tokens=False)
+
+    runners: dict[str, callable] = {}
+    n, k = args.max_new_tokens, args.k
+    if "ours" in systems:
+        draft = load(PAIR_DRAFT, dtype=dt(args.draft_dtype))
+        gens = {
+            "ours target-only": SpeculativeGenerator(target),
+            f"ours draft (k={k})": SpeculativeGenerator(target, draft=draft, k=k),
+            f"ours suffix (k={k})": SpeculativeGenerator(target, method="suffix", k=k),
+            f"ours auto (k={k})": SpeculativeGenerator(target, draft=draft, method="auto", k=k),
+        }
+        params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+        def ours(gen):
+            def run(w):
+                clear_process_caches()  # each prompt on its own: no suffix drafts from other runs
+                (r,) = gen.generate([w["ids"]], params)
+                return {"tokens": len(r.token_ids), "seconds": r.stats.wall_s, "acceptance": r.stats.acceptance_rate}
+
+            return run
+
+        runners.update({name: ours(g) for name, g in gens.items()})
+    if "transformers" in systems:
+        hf = load_transformers(resolve(PAIR_TARGET, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
+        hf_draft = load_transformers(resolve(PAIR_DRAFT, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
+        const = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}
+        for name, r in (
+            ("transformers generate", TransformersRunner("g", hf, "generate", {})),
+            (f"transformers assisted (k={k})", TransformersRunner("a", hf, "assisted", {"k": k}, hf_draft, const)),
+            (f"transformers prompt lookup (k={k})", TransformersRunner("l", hf, "lookup", {"k": k})),
+        ):
+            runners[name] = (lambda r: lambda w: vars(r.run(w["ids"], 0.0, n, 0)))(r)
+    if "llama.cpp" in systems:
+        bin_dir = llama_dir / "build" / "bin"
+        if not (bin_dir / "llama-simple").exists():
+            print("llama.cpp is not built: run with --build-llama-cpp first; skipped", file=sys.stderr)
+        else:
+            files = {"Q4_K_M": (ZOO[PAIR_TARGET].gguf_path(), ZOO[PAIR_DRAFT].gguf_path())}
+            if args.llama_bf16:
+                files["BF16"] = tuple(_bf16_copy(bin_dir, p, llama_dir) for p in files["Q4_K_M"])
+            for prec, (tm, dm) in files.items():
+                runners[f"llama.cpp {prec} plain"] = (
+                    lambda tm: lambda w: run_llama(bin_dir, "llama-simple", tm, w["prompt_text"], n, k, None)
+                )(tm)
+                runners[f"llama.cpp {prec} draft (k={k})"] = (
+                    lambda tm, dm: lambda w: run_llama(
+                        bin_dir, "llama-speculative-simple", tm, w["prompt_text"], n, k, dm
+                    )
+                )(tm, dm)
+                runners[f"llama.cpp {prec} lookup (k={k})"] = (
+                    lambda tm: lambda w: run_llama(bin_dir, "llama-lookup", tm, w["prompt_text"], n, k, None)
+                )(tm)
+    names = list(runners)
+    for name in names:  # warm-up
+        runners[name]({**work[0], "ids": work[0]["ids"][:32], "prompt_text": work[0]["prompt_text"][:100]})
+    results: dict[str, list] = {name: [] for name in names}
+    for i, w in enumerate(work):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            res = runners[name](w)
+            res["set"] = w["set"]
+            results[name].append(res)
+            print(f"{w['set']:<18} {name:<36} {res['tokens'] / res['seconds']:6.2f} tok/s", file=sys.stderr)
+    report = summarise(results, work, args, t_dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps({"results": results, "report": report}, indent=2, default=str))
+    (out / "peers.md").write_text(report["markdown"])
+    print(report["markdown"])
+    return 0
+
+
+def _bf16_copy(bin_dir: Path, gguf: Path, llama_dir: Path) -> Path:
+    out = llama_dir / (gguf.stem + ".bf16.gguf")
+    if not out.exists():
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(out), "BF16"], check=True
+        )
+    return out
+
+
+def _base_of(name: str, names: list[str]) -> str:
+    system = name.split(" ")[0]
+    if system == "llama.cpp":
+        prec = name.split(" ")[1]
+        return f"llama.cpp {prec} plain"
+    return {"ours": "ours target-only", "transformers": "transformers generate"}[system]
+
+
+def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
+    sets = list(dict.fromkeys(w["set"] for w in work))
+    rate = {
+        s: {
+            name: sum(r["tokens"] for r in rs if r["set"] == s) / sum(r["seconds"] for r in rs if r["set"] == s)
+            for name, rs in results.items()
+        }
+        for s in sets
+    }
+    names = list(results)
+    lines = [
+        f"# Peers on Qwen2.5-Coder-1.5B-Instruct (+0.5B draft), greedy, batch 1, {THREADS} threads, "
+        f"{args.max_new_tokens} new tokens, k = {args.k}; ours: target {t_dtype}, draft {args.draft_dtype}; "
+        f"transformers {args.hf_dtype}",
+        "",
+        "| system | " + " | ".join(sets) + " | geometric mean speed-up |",
+        "|---|" + "---|" * (len(sets) + 1),
+    ]
+    table = {}
+    for name in names:
+        base = _base_of(name, names)
+        ups = [rate[s][name] / rate[s][base] for s in sets if base in rate[s]]
+        gm = statistics.geometric_mean(ups) if ups else float("nan")
+        table[name] = {"tokens_per_s": {s: rate[s][name] for s in sets}, "speedup_geomean": gm}
+        cells = [f"{rate[s][name]:.2f} tok/s ({rate[s][name] / rate[s][base]:.2f}x)" for s in sets]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {gm:.2f}x |")
+    lines += ["", "Speed-ups are over each system's own target-only on the same prompts in this run."]
+    return {"table": table, "markdown": "\n".join(lines) + "\n"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
