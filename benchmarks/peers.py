@@ -34,6 +34,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,26 +52,56 @@ def build_llama_cpp(dest: Path) -> Path:
     bin_dir = dest / "build" / "bin"
     if all((bin_dir / t).exists() for t in LLAMA_TOOLS):
         return bin_dir
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
-             f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
-            check=True,
-        )
-        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        (src,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
-        shutil.copytree(src, dest / "src", dirs_exist_ok=True)
+    if not (dest / "src" / "CMakeLists.txt").exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "-d",
+                    tmp,
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+                ],
+                check=True,
+            )
+            (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            (src,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
+            shutil.copytree(src, dest / "src", dirs_exist_ok=True)
     build = dest / "build"
     subprocess.run(
-        ["cmake", "-S", str(dest / "src"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+        [
+            "cmake",
+            "-S",
+            str(dest / "src"),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF",
+        ],
         check=True,
     )
     subprocess.run(
-        ["cmake", "--build", str(build), "--config", "Release", "-j", str(os.cpu_count() or 2), "--target",
-         *LLAMA_TOOLS],
+        [
+            "cmake",
+            "--build",
+            str(build),
+            "--config",
+            "Release",
+            "-j",
+            str(os.cpu_count() or 2),
+            "--target",
+            *LLAMA_TOOLS,
+        ],
         check=True,
     )
     return bin_dir
@@ -107,16 +139,40 @@ def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int
     return out
 
 
+def run_ours(gen, params, clear_caches, w: dict) -> dict:
+    clear_caches()  # each prompt on its own: no suffix drafts from other runs of it
+    (r,) = gen.generate([w["ids"]], params)
+    return {"tokens": len(r.token_ids), "seconds": r.stats.wall_s, "acceptance": r.stats.acceptance_rate}
+
+
+def run_transformers(runner, n: int, w: dict) -> dict:
+    r = runner.run(w["ids"], 0.0, n, 0)
+    return {"tokens": r.tokens, "seconds": r.seconds, "forwards": r.forwards}
+
+
+def run_llama_prompt(
+    bin_dir: Path, tool: str, model: Path, n: int, k: int, draft: Path | None, w: dict
+) -> dict:
+    return run_llama(bin_dir, tool, model, w["prompt_text"], n, k, draft)
+
+
 def prompts(limit: int) -> list[dict]:
     from specdecode.bench.model_bench import read_prompts
     from specdecode.demo import CODE_PROMPTS
 
     out = [{"set": "code (chat)", "text": t, "chat": True} for t in CODE_PROMPTS[:limit]]
-    out += [{"set": "humaneval (raw)", "text": p["text"], "chat": False} for p in read_prompts("humaneval")[:limit]]
+    out += [
+        {"set": "humaneval (raw)", "text": p["text"], "chat": False}
+        for p in read_prompts("humaneval")[:limit]
+    ]
     spec = read_prompts("spec-bench")
     cats = list(dict.fromkeys(p["category"] for p in spec))
     out += [
-        {"set": "spec-bench (chat)", "text": next(p for p in spec if p["category"] == c)["text"], "chat": True}
+        {
+            "set": "spec-bench (chat)",
+            "text": next(p for p in spec if p["category"] == c)["text"],
+            "chat": True,
+        }
         for c in cats[:limit]
     ]
     return out
@@ -158,10 +214,12 @@ def main() -> int:
     tok = target.tokenizer
     work = prompts(args.limit)
     for w in work:
-        w["ids"] = tok.encode_chat([{"role": "user", "content": w["text"]}]) if w["chat"] else tok.encode(w["text"])
+        w["ids"] = (
+            tok.encode_chat([{"role": "user", "content": w["text"]}]) if w["chat"] else tok.encode(w["text"])
+        )
         w["prompt_text"] = tok.decode(w["ids"], skip_special_tokens=False)
 
-    runners: dict[str, callable] = {}
+    runners: dict[str, Callable[[dict], dict]] = {}
     n, k = args.max_new_tokens, args.k
     if "ours" in systems:
         draft = load(PAIR_DRAFT, dtype=dt(args.draft_dtype))
@@ -172,26 +230,19 @@ def main() -> int:
             f"ours auto (k={k})": SpeculativeGenerator(target, draft=draft, method="auto", k=k),
         }
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-
-        def ours(gen):
-            def run(w):
-                clear_process_caches()  # each prompt on its own: no suffix drafts from other runs
-                (r,) = gen.generate([w["ids"]], params)
-                return {"tokens": len(r.token_ids), "seconds": r.stats.wall_s, "acceptance": r.stats.acceptance_rate}
-
-            return run
-
-        runners.update({name: ours(g) for name, g in gens.items()})
+        runners.update({name: partial(run_ours, g, params, clear_process_caches) for name, g in gens.items()})
     if "transformers" in systems:
         hf = load_transformers(resolve(PAIR_TARGET, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
         hf_draft = load_transformers(resolve(PAIR_DRAFT, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
         const = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}
-        for name, r in (
-            ("transformers generate", TransformersRunner("g", hf, "generate", {})),
-            (f"transformers assisted (k={k})", TransformersRunner("a", hf, "assisted", {"k": k}, hf_draft, const)),
-            (f"transformers prompt lookup (k={k})", TransformersRunner("l", hf, "lookup", {"k": k})),
-        ):
-            runners[name] = (lambda r: lambda w: vars(r.run(w["ids"], 0.0, n, 0)))(r)
+        hf_runners = {
+            "transformers generate": TransformersRunner("g", hf, "generate", {}),
+            f"transformers assisted (k={k})": TransformersRunner(
+                "a", hf, "assisted", {"k": k}, hf_draft, const
+            ),
+            f"transformers prompt lookup (k={k})": TransformersRunner("l", hf, "lookup", {"k": k}),
+        }
+        runners.update({name: partial(run_transformers, r, n) for name, r in hf_runners.items()})
     if "llama.cpp" in systems:
         bin_dir = llama_dir / "build" / "bin"
         if not (bin_dir / "llama-simple").exists():
@@ -201,17 +252,14 @@ def main() -> int:
             if args.llama_bf16:
                 files["BF16"] = tuple(_bf16_copy(bin_dir, p, llama_dir) for p in files["Q4_K_M"])
             for prec, (tm, dm) in files.items():
-                runners[f"llama.cpp {prec} plain"] = (
-                    lambda tm: lambda w: run_llama(bin_dir, "llama-simple", tm, w["prompt_text"], n, k, None)
-                )(tm)
-                runners[f"llama.cpp {prec} draft (k={k})"] = (
-                    lambda tm, dm: lambda w: run_llama(
-                        bin_dir, "llama-speculative-simple", tm, w["prompt_text"], n, k, dm
+                for label, tool, d in (
+                    ("plain", "llama-simple", None),
+                    (f"draft (k={k})", "llama-speculative-simple", dm),
+                    (f"lookup (k={k})", "llama-lookup", None),
+                ):
+                    runners[f"llama.cpp {prec} {label}"] = partial(
+                        run_llama_prompt, bin_dir, tool, tm, n, k, d
                     )
-                )(tm, dm)
-                runners[f"llama.cpp {prec} lookup (k={k})"] = (
-                    lambda tm: lambda w: run_llama(bin_dir, "llama-lookup", tm, w["prompt_text"], n, k, None)
-                )(tm)
     names = list(runners)
     for name in names:  # warm-up
         runners[name]({**work[0], "ids": work[0]["ids"][:32], "prompt_text": work[0]["prompt_text"][:100]})
@@ -252,7 +300,8 @@ def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
     sets = list(dict.fromkeys(w["set"] for w in work))
     rate = {
         s: {
-            name: sum(r["tokens"] for r in rs if r["set"] == s) / sum(r["seconds"] for r in rs if r["set"] == s)
+            name: sum(r["tokens"] for r in rs if r["set"] == s)
+            / sum(r["seconds"] for r in rs if r["set"] == s)
             for name, rs in results.items()
         }
         for s in sets
