@@ -120,9 +120,17 @@ def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int
     else:
         args += ["-p", prompt, "-t", str(THREADS), "-tb", str(THREADS), "--temp", "0", "-c", "4096"]
         if tool == "llama-speculative-simple":
-            args += ["-md", str(draft), "--draft-max", str(k), "--draft-min", "0", "--draft-p-min", "0"]
-        else:
-            args += ["--draft", str(k)]
+            args += [
+                "-md",
+                str(draft),
+                "--spec-type",
+                "draft-simple",
+                "-td",
+                str(THREADS),
+                "-tbd",
+                str(THREADS),
+            ]
+        args += ["--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     t0 = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
@@ -217,7 +225,10 @@ def main() -> int:
         w["ids"] = (
             tok.encode_chat([{"role": "user", "content": w["text"]}]) if w["chat"] else tok.encode(w["text"])
         )
-        w["prompt_text"] = tok.decode(w["ids"], skip_special_tokens=False)
+        # llama.cpp tokenizes the text itself (the chat template's special tokens included)
+        w["prompt_text"] = (
+            tok.apply_chat_template([{"role": "user", "content": w["text"]}]) if w["chat"] else w["text"]
+        )
 
     runners: dict[str, Callable[[dict], dict]] = {}
     n, k = args.max_new_tokens, args.k

@@ -77,8 +77,8 @@ def test_every_method_keeps_target_only_tokens_batch_invariant():
     _installed()
     target = load(TARGET, dtype=torch.float32)
     draft = load(DRAFT, dtype=torch.bfloat16)
-    params = SamplingParams(temperature=0, max_new_tokens=48)
-    prompts = [_ids(target, t) for t in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    prompts = [_ids(target, t) for t in PROMPTS[:2]]
     want = [r.token_ids for r in SpeculativeGenerator(target, batch_invariant=True).generate(prompts, params)]
     for kw in (
         {"method": "draft", "k": 4, "draft": draft},
