@@ -133,6 +133,20 @@ CHATML = (
 )
 
 
+# Hugging Face layer tensor -> GGUF name (llama.cpp's converter); the inverse of gguf_import's map
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
 def write_tiny_gguf(
     root: Path, arch: str = "llama", embed_q8: bool = False, seed: int = 0
 ) -> tuple[Path, Path]:
@@ -174,17 +188,7 @@ def write_tiny_gguf(
     writer.add_eos_token_id(len(alphabet) + 2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    names = GGUF_LAYER_NAMES
     for name, a in w.items():
         if name == "model.embed_tokens.weight":
             if embed_q8:
@@ -251,17 +255,7 @@ def write_tiny_qwen_gguf(root: Path, seed: int = 0) -> tuple[Path, Path]:
     # the real pair's mix: K-quants in the projections, Q5_0 embedding, Q8_0 head, F32 the rest
     kinds = {"q_proj": T.Q4_K, "k_proj": T.Q4_K, "o_proj": T.Q4_K, "gate_proj": T.Q4_K, "up_proj": T.Q4_K,
              "v_proj": T.Q6_K, "down_proj": T.Q6_K, "embed_tokens": T.Q5_0, "lm_head": T.Q8_0}
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    names = GGUF_LAYER_NAMES
     path = root / "tiny-qwen2.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_block_count(layers)
