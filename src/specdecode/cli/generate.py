@@ -8,10 +8,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import POLICIES
 from ..errors import SpecDecodeError
+from ..options import DTYPES, add_spec_flags, heads_dir, method_heads, spec_config, torch_dtype
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
+__all__ = ["DTYPES", "heads_dir", "method_heads", "register"]  # the last three moved to ..options
 
 
 def register(sub) -> None:
@@ -25,62 +25,7 @@ def register(sub) -> None:
     )
     g.add_argument("--target", required=True, metavar="MODEL", help="bundled name or Hugging Face model dir")
     g.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
-    g.add_argument(
-        "--method",
-        help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle, eagle3, "
-        "suffix (SuffixDecoding: continue the longest suffix match in this and earlier requests), auto "
-        "(suffix when a long match exists, the trained EAGLE-3 drafter otherwise; decided per round)",
-    )
-    g.add_argument(
-        "--k", type=int, default=4, help="draft tokens per round (default 4; the start for adaptive policies)"
-    )
-    g.add_argument(
-        "--policy",
-        default="fixed",
-        help="draft-length policy: fixed (k every round), heuristic (+2 after a fully accepted round, -1 "
-        "otherwise), confidence (stop drafting when the draft's probability of its token < "
-        "--confidence-threshold), optimal (k from Theorem 3.8 with measured acceptance and cost)",
-    )
-    g.add_argument(
-        "--confidence-threshold", type=float, default=0.4, help="for --policy confidence (default 0.4)"
-    )
-    g.add_argument(
-        "--exit-layer",
-        type=int,
-        default=None,
-        help="early-exit: draft with the first M layers (default half)",
-    )
-    g.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
-    g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
-    g.add_argument(
-        "--heads",
-        metavar="DIR",
-        help="medusa / eagle / eagle3 / auto: the trained heads or drafter (default: the bundled one for "
-        "the target, e.g. models/smollm2-135m/eagle3)",
-    )
-    g.add_argument(
-        "--tree",
-        metavar="CHOICES",
-        help="verify a token tree in one forward: branching per depth (3,2,1) or JSON choices "
-        "([[0],[1],[0,0]]); drafted by --draft, each node one of the draft's top-ranked tokens",
-    )
-    g.add_argument(
-        "--rollback",
-        choices=("snapshot", "recompute"),
-        default=None,
-        help="hybrid targets (linear-attention layers): undo a rejected draft's recurrent state from "
-        "a snapshot per verified position (default) or by replaying the kept positions' inputs "
-        "from the state before the round (less memory, a replay per round)",
-    )
-    g.add_argument(
-        "--tree-sampling",
-        choices=("topk", "with-replacement", "without-replacement"),
-        default=None,
-        help="how --tree's candidates are chosen: topk (default: the drafter's top-ranked tokens, "
-        "best for greedy), with-replacement or without-replacement (drawn from the drafter's "
-        "distribution and verified with SpecInfer's / Sequoia's exact multi-candidate rule: better "
-        "at temperature > 0)",
-    )
+    add_spec_flags(g)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
@@ -138,12 +83,9 @@ def _generate(args: argparse.Namespace) -> int:
     # validate everything cheap before loading any model
     if args.prompt == "":
         raise SpecDecodeError("--prompt is empty; give at least one character")
-    if args.k < 1:
-        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
     if args.num_return_sequences < 1:
         raise SpecDecodeError(f"--num-return-sequences must be >= 1, got {args.num_return_sequences}")
-    if args.policy not in POLICIES:
-        raise SpecDecodeError(f"unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
+    config = spec_config(args, method=args.method or ("draft" if args.draft else None))
     if args.cost_model and args.policy != "optimal":
         raise SpecDecodeError("--cost-model is read by --policy optimal only")
     params = SamplingParams(
@@ -165,13 +107,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--system needs --chat")
     import warnings
 
-    import torch
-
     from ..drafters.early_exit import UntrainedExitWarning
 
     warnings.simplefilter("ignore", UntrainedExitWarning)  # printed below, with the measured acceptance
-    device, dtype = resolve_device(args.device), getattr(torch, DTYPES[args.dtype])
-    draft_dtype = getattr(torch, DTYPES[args.draft_dtype]) if args.draft_dtype else dtype
+    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
+    draft_dtype = torch_dtype(args.draft_dtype) if args.draft_dtype else dtype
     if args.draft_dtype and not args.draft:
         raise SpecDecodeError("--draft-dtype needs --draft MODEL")
     resolve(args.target, dtype)
@@ -182,23 +122,9 @@ def _generate(args: argparse.Namespace) -> int:
         cost_model = CostModel.load(args.cost_model)
     target = load(args.target, backend=args.backend, dtype=dtype, device=device)
     draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device) if args.draft else None
-    gen = SpeculativeGenerator(
-        target,
-        draft=draft,
-        k=args.k,
-        method=args.method,
-        policy=args.policy,
-        exit_layer=args.exit_layer,
-        ngram_max=args.ngram_max,
-        ngram_min=args.ngram_min,
-        confidence_threshold=args.confidence_threshold,
-        tree=args.tree,
-        tree_sampling=args.tree_sampling,
-        rollback=args.rollback,
-        heads=method_heads(args.target, args.method, args.heads, draft=args.draft),
-        cost_model=cost_model,
-        batch_invariant=args.batch_invariant or None,
-    )
+    heads = method_heads(args.target, args.method, args.heads, draft=args.draft)
+    config = replace(config, heads=heads, cost_model=cost_model, batch_invariant=args.batch_invariant or None)
+    gen = SpeculativeGenerator(target, draft=draft, config=config)
     n = args.num_return_sequences
     trace = None
     if args.trace:
@@ -266,33 +192,3 @@ def _generate(args: argparse.Namespace) -> int:
     )
     return 0
 
-
-def method_heads(target: str, method: str | None, heads: str | None, draft: str | None = None) -> Path | None:
-    """The trained drafter a method reads: required for medusa, eagle and eagle3; for auto the
-    bundled (or given) EAGLE-3 drafter when there is one and no draft model is given."""
-    if method in ("medusa", "eagle", "eagle3"):
-        return heads_dir(target, method, heads)
-    if method == "auto" and draft and not heads:
-        return None  # auto's model drafter is the draft model
-    if method == "auto":
-        try:
-            return heads_dir(target, "eagle3", heads)
-        except SpecDecodeError:
-            return None
-    if heads:
-        raise SpecDecodeError(f"--heads is read by methods medusa, eagle, eagle3 and auto, not {method!r}")
-    return None
-
-
-def heads_dir(target: str, method: str, heads: str | None) -> Path:
-    """--heads, or the drafter bundled for the target (models/<family>/<method>, or
-    models/<name>/<method> for a known name such as smollm2-135m)."""
-    from ..models import ZOO, models_dir, resolve
-
-    if heads:
-        return Path(heads)
-    bundled = (models_dir() / target if target in ZOO else resolve(target).parent) / method
-    if not (bundled / "config.json").exists():
-        what = {"medusa": "Medusa heads", "eagle3": "EAGLE-3 drafter"}.get(method, "EAGLE drafter")
-        raise SpecDecodeError(f"no {what} for {target}; pass --heads DIR (see train-heads)")
-    return bundled

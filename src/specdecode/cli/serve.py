@@ -6,9 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import POLICIES
 from ..errors import SpecDecodeError
-from .generate import DTYPES, method_heads
+from ..options import DTYPES, add_spec_flags, method_heads, spec_config, torch_dtype
 
 
 def register(sub) -> None:
@@ -34,22 +33,7 @@ def register(sub) -> None:
         "suffix, auto; 'none' for target-only. Default: auto for smollm2-135m (its bundled EAGLE-3 "
         "drafter + suffix matches), none otherwise",
     )
-    s.add_argument(
-        "--heads", metavar="DIR", help="medusa / eagle / eagle3 / auto: trained heads (default: bundled)"
-    )
-    s.add_argument(
-        "--k", type=int, default=None, help="draft tokens per round (default 2 for smollm2-135m, else 4)"
-    )
-    s.add_argument(
-        "--policy", default="fixed", help=f"draft-length policy: {', '.join(POLICIES)} (default fixed)"
-    )
-    s.add_argument("--tree", metavar="CHOICES", help="verify a token tree per round (see generate --help)")
-    s.add_argument(
-        "--tree-sampling",
-        choices=("topk", "with-replacement", "without-replacement"),
-        default=None,
-        help="how --tree's candidates are chosen (see generate --help)",
-    )
+    add_spec_flags(s, ("heads", "k", "policy", "tree", "tree_sampling"), k=None)
     s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -109,17 +93,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise SpecDecodeError(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    if args.k is not None and args.k < 1:
-        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
-    if args.policy not in POLICIES:
-        raise SpecDecodeError(f"unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
+    spec_config(args)  # k, policy, tree: SpecConfig's one-line errors before any model loads
     if args.load_costs and args.no_load_aware:
         raise SpecDecodeError("--load-costs is read by the load-aware policy; drop --no-load-aware")
 
 
 def build(args: argparse.Namespace):
     """The generator and server for these arguments (calibrated when load-aware)."""
-    import torch
 
     from ..engine import SpeculativeGenerator
     from ..models import ZOO, load, resolve, resolve_device
@@ -133,22 +113,18 @@ def build(args: argparse.Namespace):
         method = "draft"
     k = args.k or (2 if zoo else 4)
     dtype_name = args.dtype or ("bf16" if zoo else "fp32")
-    device, dtype = resolve_device(args.device), getattr(torch, DTYPES[dtype_name])
+    device, dtype = resolve_device(args.device), torch_dtype(dtype_name)
     resolve(args.target, dtype)
     target = load(args.target, backend=args.backend, dtype=dtype, device=device)
     draft = load(args.draft, backend=args.backend, dtype=dtype, device=device) if args.draft else None
-    lean = type(target).__name__ == "LlamaModel"
-    gen = SpeculativeGenerator(
-        target,
-        draft=draft,
-        k=k,
+    config = spec_config(
+        args,
         method=method,
-        policy=args.policy,
-        tree=args.tree,
-        tree_sampling=args.tree_sampling,
-        heads=method_heads(args.target, method, args.heads),
-        batch_invariant=(lean and not args.no_batch_invariant) or None,
+        k=k,
+        heads=method_heads(args.target, method, args.heads, draft=args.draft),
+        batch_invariant=(target.lean and not args.no_batch_invariant) or None,
     )
+    gen = SpeculativeGenerator(target, draft=draft, config=config)
     from ..serve import Server, batch_sizes
 
     if gen.drafter is not None and not args.no_load_aware:
@@ -182,7 +158,9 @@ def calibrate(gen, sizes: list[int]):
         if sys.stderr.isatty():
             print(f"\r  {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-    return gen.measure_load_costs(sizes, progress=progress)
+    from ..calibrate import measure_load_costs
+
+    return measure_load_costs(gen.spec, sizes, progress=progress)
 
 
 def _serve(args: argparse.Namespace) -> int:

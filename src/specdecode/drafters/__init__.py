@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import SpecDecodeError
-from .base import DraftChain, DraftContext, Drafter
+from .base import DraftChain, DraftContext, Drafter, TargetNeeds
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
@@ -70,5 +70,6 @@ __all__ = [
     "MedusaDrafter",
     "MedusaHeads",
     "NgramDrafter",
+    "TargetNeeds",
     "make_drafter",
 ]

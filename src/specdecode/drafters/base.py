@@ -45,12 +45,26 @@ class DraftContext:
         return self.tokens.device
 
 
+@dataclass(frozen=True)
+class TargetNeeds:
+    """What a drafter needs back from each target forward: the hidden states of every committed
+    token (passed to observe()), and which ones: the final-normed states (aux_layers None) or
+    the residual streams entering these layers, concatenated (EAGLE-3)."""
+
+    hidden: bool = False
+    aux_layers: tuple[int, ...] | None = None
+
+
+NOTHING = TargetNeeds()
+
+
 class Drafter:
     """Proposes draft tokens; never decides acceptance.
 
     Class attributes declare what a method needs: `requires_hidden` (the engine passes the
-    target's final hidden states of every committed token to observe()), `supports_tree`
-    (propose_tree is implemented), `lean_only` (it reads our runtime's internals). `model` is a
+    target's final hidden states of every committed token to observe(); target_needs() says
+    which states, for methods that need more), `supports_tree` (propose_tree is implemented),
+    `lean_only` (it reads our runtime's internals: the target must be `lean`). `model` is a
     separate draft model, if the method has one (its position limit is checked by the engine).
     `advice` is a warning for the user when this drafter is unlikely to pay (the CLI prints it
     with the measured acceptance).
@@ -59,8 +73,13 @@ class Drafter:
     name: ClassVar[str] = ""
     requires_hidden: ClassVar[bool] = False
     supports_tree: ClassVar[bool] = False
+    lean_only: ClassVar[bool] = False
     model: CausalLM | None = None
     advice: str | None = None
+
+    def target_needs(self) -> TargetNeeds:
+        """What the engine must return from each target forward for observe()."""
+        return TargetNeeds(hidden=True) if self.requires_hidden else NOTHING
 
     @classmethod
     def create(cls, target: CausalLM, draft: CausalLM | None, config: SpecConfig) -> Drafter:
@@ -87,8 +106,8 @@ class Drafter:
         raise SpecDecodeError(f"method {self.name!r} does not draft token trees")
 
     def observe(self, state: Any, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
-        """hidden [B, T, d]: the target's final hidden states of row b's tokens at positions
-        start[b] .. start[b] + count[b] - 1 (called only when requires_hidden)."""
+        """hidden [B, T, d]: the target's hidden states (target_needs()) of row b's tokens at
+        positions start[b] .. start[b] + count[b] - 1 (called only when they are needed)."""
 
     def commit(self, state: Any, lengths: torch.Tensor) -> None:
         """The first lengths[b] tokens of row b are now final; forget anything after them."""
@@ -203,6 +222,14 @@ class TreeDraw:
         for i, q in self.q.items():
             probs[:, i] = q
         return Proposal(self.nodes, probs, tree=self.tree)
+
+
+def require_lean(target: CausalLM, method: str) -> None:
+    """The one-line error of a method that reads our runtime's internals, on another runtime."""
+    if not target.lean:
+        raise SpecDecodeError(
+            f"method {method} needs a Llama-family target on our lean runtime (--backend lean)"
+        )
 
 
 def confidence(logits: torch.Tensor, probs: list[torch.Tensor] | None, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""EAGLE: a feature-level drafter. One decoder layer reads, at every position j, the target's
+"""EAGLE and EAGLE-3: feature-level drafters, one algorithm (FeatureDrafter) with the feature
+step as the only difference (EAGLE-3's is in eagle3.py).
+
+EAGLE: a feature-level drafter. One decoder layer reads, at every position j, the target's
 final hidden state h_j fused with the embedding of the next token x_{j+1}, and predicts h_{j+1};
 the target's LM head turns the prediction into draft probabilities. Drafting runs in feature
 space: the predicted feature and the sampled token feed the next step.
@@ -21,7 +24,7 @@ from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, TreeDraw, catch_up, pad_positions
+from .base import DraftChain, DraftContext, Drafter, TreeDraw, catch_up, pad_positions, require_lean
 
 KIND = "specdecode-eagle"
 
@@ -54,40 +57,42 @@ def load_eagle(path: str | Path, target: LlamaModel) -> tuple[LlamaModel, torch.
 @dataclass
 class EagleState:
     cache: Cache  # the layer's one-layer cache over (feature, next token) pairs
-    feats: torch.Tensor  # [B, capacity, d] the target's features by position
+    feats: torch.Tensor  # [B, capacity, d] the features by position (made by Eagle.feature())
 
 
-class EagleDrafter(Drafter):
-    name = "eagle"
+class FeatureDrafter(Drafter):
+    """EAGLE's algorithm, shared by EAGLE and EAGLE-3 (vLLM's EagleProposer does the same): one
+    decoder layer over (feature of position j, token j + 1) pairs with its own cache, drafting
+    in feature space. A subclass says only how a feature is made from the target's hidden
+    states (feature), how the layer reads a pair and what it returns (step), and what it needs
+    from the target (target_needs)."""
+
     requires_hidden = True
     supports_tree = True
+    lean_only = True
+    layer: LlamaModel
+    feature_size: int
 
-    def __init__(self, target, eagle: str | Path) -> None:
-        if not isinstance(target, LlamaModel):
-            raise SpecDecodeError("method eagle needs a Llama target on our lean runtime (--backend lean)")
-        self.target = target
-        self.layer, self.fc_w, self.fc_b, self.meta = load_eagle(eagle, target)
+    def feature(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, *] the target's hidden states -> [B, T, feature_size] the features stored."""
+        return hidden
 
-    @classmethod
-    def create(cls, target, draft, config) -> EagleDrafter:
-        if config.heads is None:
-            raise SpecDecodeError("method 'eagle' needs a trained EAGLE drafter (--heads DIR)")
-        return cls(target, config.heads)
+    def step(self, tokens: torch.Tensor, feats: torch.Tensor, cache: Cache, **meta) -> tuple:
+        """The layer over pairs (feats [B, T, d] of positions j, tokens [B, T] at j + 1):
+        (logits over the target vocabulary [B, T, V], the next features [B, T, d])."""
+        raise NotImplementedError
 
     def start(self, ctx: DraftContext, target_cache) -> EagleState:
-        d = self.target.cfg.hidden_size
-        feats = torch.zeros(ctx.size, ctx.capacity, d, dtype=self.target.dtype, device=ctx.device)
+        d, dtype = self.feature_size, self.target.dtype
+        feats = torch.zeros(ctx.size, ctx.capacity, d, dtype=dtype, device=ctx.device)
         return EagleState(self.layer.new_cache(ctx.size, ctx.capacity), feats)
 
     def observe(
         self, state: EagleState, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor
     ) -> None:
+        feats = self.feature(hidden)
         for b, (s, n) in enumerate(zip(start.tolist(), count.tolist())):
-            state.feats[b, s : s + n] = hidden[b, :n]
-
-    def _fuse(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
-        return F.linear(torch.cat([F.embedding(tokens, self.target.embed), feats], -1), self.fc_w, self.fc_b)
+            state.feats[b, s : s + n] = feats[b, :n]
 
     def _catch_up(
         self, state: EagleState, ctx: DraftContext
@@ -99,14 +104,28 @@ class EagleDrafter(Drafter):
 
         def feed(j: torch.Tensor):
             j = j.clamp(max=ctx.capacity - 2)  # pairs
-            fused = self._fuse(
-                ctx.tokens.gather(1, j + 1),
-                state.feats.gather(1, j.unsqueeze(-1).expand(*j.shape, state.feats.shape[-1])),
-            )
-            return self.layer.forward(j, state.cache, ForwardMeta(return_hidden=True, inputs_embeds=fused))
+            feats = state.feats.gather(1, j.unsqueeze(-1).expand(*j.shape, state.feats.shape[-1]))
+            return self.step(ctx.tokens.gather(1, j + 1), feats, state.cache)
 
         logits, hidden = catch_up(state.cache, todo, feed)
         return logits, hidden, todo
+
+    @torch.inference_mode()
+    def propose(
+        self, state: EagleState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        B = ctx.size
+        if int((ctx.lengths - 1 - state.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
+            return Proposal.empty(B, ctx.device)
+        logits, feat, todo = self._catch_up(state, ctx)
+        chain = DraftChain(ctx, torch.where(todo > 0, limits, 0), stop_below)  # no feature yet: no drafts
+        for i in range(chain.width):
+            tok, stopped = chain.draw(logits)
+            if stopped or i == chain.width - 1:
+                break
+            out, h = self.step(tok.view(B, 1), feat.view(B, 1, -1), state.cache, offset=i, advance=False)
+            logits, feat = out[:, -1], h[:, -1]
+        return chain.proposal()
 
     @torch.inference_mode()
     def propose_tree(self, state: EagleState, ctx: DraftContext, tree):
@@ -125,41 +144,18 @@ class EagleDrafter(Drafter):
             first = idx[0] - 1
             parent_feats = torch.stack([level[parents[i - 1]][1] for i in idx], 1)  # [B, T, d]
             toks = draw.nodes[:, first : first + len(idx)]
-            meta = ForwardMeta(
+            out, h = self.step(
+                toks,
+                parent_feats,
+                state.cache,
                 positions=base.view(B, 1) + d - 1,
                 tree_mask=mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
                 offset=first,
                 advance=False,
-                return_hidden=True,
-                inputs_embeds=self._fuse(toks, parent_feats),
             )
-            out, h = self.layer.forward(toks, state.cache, meta)
             for t, i in enumerate(idx):
                 level[i] = (out[:, t], h[:, t])
         return draw.proposal()
-
-    @torch.inference_mode()
-    def propose(
-        self, state: EagleState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
-    ) -> Proposal:
-        B = ctx.size
-        if int((ctx.lengths - 1 - state.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
-            return Proposal.empty(B, ctx.device)
-        logits, feat, todo = self._catch_up(state, ctx)
-        chain = DraftChain(ctx, torch.where(todo > 0, limits, 0), stop_below)  # no feature yet: no drafts
-        for i in range(chain.width):
-            tok, stopped = chain.draw(logits)
-            if stopped or i == chain.width - 1:
-                break
-            meta = ForwardMeta(
-                offset=i,
-                advance=False,
-                return_hidden=True,
-                inputs_embeds=self._fuse(tok.view(B, 1), feat.view(B, 1, -1)),
-            )
-            out, h = self.layer.forward(tok.view(B, 1), state.cache, meta)
-            logits, feat = out[:, -1], h[:, -1]
-        return chain.proposal()
 
     def commit(self, state: EagleState, lengths: torch.Tensor) -> None:
         state.cache.rewind(torch.minimum(state.cache.lengths, (lengths - 1).clamp(min=0)))
@@ -172,3 +168,31 @@ class EagleDrafter(Drafter):
         state.cache.add_rows(new.cache)
         capacity = state.cache.capacity
         state.feats = torch.cat([pad_positions(state.feats, capacity), pad_positions(new.feats, capacity)])
+
+
+class EagleDrafter(FeatureDrafter):
+    """EAGLE: the feature is the target's final hidden state; the layer reads
+    fc([embedding of the next token, feature]) and returns its final-normed output, which is
+    both the next feature and, through the target's LM head, the draft distribution."""
+
+    name = "eagle"
+
+    def __init__(self, target, eagle: str | Path) -> None:
+        require_lean(target, self.name)
+        self.target = target
+        self.layer, self.fc_w, self.fc_b, self.meta = load_eagle(eagle, target)
+        self.feature_size = target.cfg.hidden_size
+
+    @classmethod
+    def create(cls, target, draft, config) -> EagleDrafter:
+        if config.heads is None:
+            raise SpecDecodeError("method 'eagle' needs a trained EAGLE drafter (--heads DIR)")
+        return cls(target, config.heads)
+
+    def _fuse(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
+        return F.linear(torch.cat([F.embedding(tokens, self.target.embed), feats], -1), self.fc_w, self.fc_b)
+
+    def step(self, tokens, feats, cache, **meta):
+        fused = self._fuse(tokens, feats)
+        return self.layer.forward(tokens, cache, ForwardMeta(return_hidden=True, inputs_embeds=fused, **meta))

@@ -21,17 +21,16 @@ The checkpoint is the layout vLLM and SGLang load (`fc`, `midlayer.*`, `norm`, `
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import SpecDecodeError
-from ..models.base import Cache, ForwardMeta
+from ..models.base import ForwardMeta
 from ..models.linear import Linear
 from ..models.llama import LlamaConfig, LlamaModel
-from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, TreeDraw, catch_up, pad_positions
+from .base import TargetNeeds, require_lean
+from .eagle import FeatureDrafter
 
 KIND = "specdecode-eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -113,25 +112,21 @@ def load_eagle3(path: str | Path, target: LlamaModel):
     return layer, fc, ids.to(dev), cfg
 
 
-@dataclass
-class Eagle3State:
-    cache: Cache  # the layer's one-layer cache over (feature, next token) pairs
-    feats: torch.Tensor  # [B, capacity, d] fused target features g_j by position
+class Eagle3Drafter(FeatureDrafter):
+    """EAGLE-3: the feature is fc(the target's residual streams entering three layers); the layer
+    reads [norm(embedding of the next token), hidden_norm(feature)] with the feature as the
+    residual, and its output before the final norm is the next feature; the final norm and the
+    draft-vocabulary head give logits, mapped into the target vocabulary (-inf elsewhere)."""
 
-
-class Eagle3Drafter(Drafter):
     name = "eagle3"
-    requires_hidden = True
-    supports_tree = True
 
     def __init__(self, target, path: str | Path) -> None:
-        if not isinstance(target, LlamaModel):
-            raise SpecDecodeError("method eagle3 needs a Llama target on our lean runtime (--backend lean)")
+        require_lean(target, self.name)
         self.target = target
         self.layer, self.fc, self.draft_ids, self.meta = load_eagle3(path, target)
         self.aux_layers = tuple(self.meta["eagle_aux_hidden_state_layer_ids"])
         self.vocab = target.vocab_size
-        self._prenorm = (1,)  # aux layer 1 of a one-layer model: its output before the final norm
+        self.feature_size = self.layer.cfg.hidden_size
 
     @classmethod
     def create(cls, target, draft, config) -> Eagle3Drafter:
@@ -139,105 +134,23 @@ class Eagle3Drafter(Drafter):
             raise SpecDecodeError("method 'eagle3' needs a trained EAGLE-3 drafter (--heads DIR)")
         return cls(target, config.heads)
 
-    def start(self, ctx: DraftContext, target_cache) -> Eagle3State:
-        d = self.layer.cfg.hidden_size
-        feats = torch.zeros(ctx.size, ctx.capacity, d, dtype=self.target.dtype, device=ctx.device)
-        return Eagle3State(self.layer.new_cache(ctx.size, ctx.capacity), feats)
+    def target_needs(self) -> TargetNeeds:
+        return TargetNeeds(hidden=True, aux_layers=self.aux_layers)
 
-    def observe(
-        self, state: Eagle3State, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor
-    ) -> None:
+    def feature(self, hidden: torch.Tensor) -> torch.Tensor:
         B, T, _ = hidden.shape
-        fused = self.fc(hidden.reshape(B * T, -1)).view(B, T, -1)
-        for b, (s, n) in enumerate(zip(start.tolist(), count.tolist())):
-            state.feats[b, s : s + n] = fused[b, :n]
+        return self.fc(hidden.reshape(B * T, -1)).view(B, T, -1)
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., N] -> target-vocabulary logits [..., V] (-inf elsewhere)."""
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"))
         return full.index_copy_(-1, self.draft_ids, logits)
 
-    def _step(self, tokens, state, meta_kw) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = ForwardMeta(return_hidden=True, aux_layers=self._prenorm, **meta_kw)
-        logits, hidden = self.layer.forward(tokens, state.cache, meta)
-        return logits, hidden
-
-    def _catch_up(self, state: Eagle3State, ctx: DraftContext):
-        """Feed the committed pairs not yet in the layer's cache; return the logits [B, V] and the
-        feature [B, d] after the pending token, and how many pairs each row fed [B]."""
-        n = ctx.lengths  # the pending token is at n - 1; pairs j = 0 .. n - 2 are known
-        todo = (n - 1 - state.cache.lengths).clamp(min=0)
-
-        def feed(j: torch.Tensor):
-            j = j.clamp(max=ctx.capacity - 2)
-            feats = state.feats.gather(1, j.unsqueeze(-1).expand(*j.shape, state.feats.shape[-1]))
-            return self._step(ctx.tokens.gather(1, j + 1), state, {"inputs_embeds": feats})
-
-        logits, hidden = catch_up(state.cache, todo, feed)
-        return self._full(logits), hidden, todo
-
-    @torch.inference_mode()
-    def propose(
-        self, state: Eagle3State, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
-    ) -> Proposal:
-        B = ctx.size
-        if int((ctx.lengths - 1 - state.cache.lengths).max()) <= 0:  # one-token prompts: no feature yet
-            return Proposal.empty(B, ctx.device)
-        logits, feat, todo = self._catch_up(state, ctx)
-        chain = DraftChain(ctx, torch.where(todo > 0, limits, 0), stop_below)
-        for i in range(chain.width):
-            tok, stopped = chain.draw(logits)
-            if stopped or i == chain.width - 1:
-                break
-            out, h = self._step(
-                tok.view(B, 1), state, {"offset": i, "advance": False, "inputs_embeds": feat.view(B, 1, -1)}
-            )
-            logits, feat = self._full(out[:, -1]), h[:, -1]
-        return chain.proposal()
-
-    @torch.inference_mode()
-    def propose_tree(self, state: Eagle3State, ctx: DraftContext, tree):
-        """Candidates (TreeDraw: each node's children top-ranked or drawn from the layer's q
-        after it), one layer forward per depth over (parent feature, node token) pairs."""
-        B = ctx.size
-        logits, feat, _ = self._catch_up(state, ctx)
-        base = state.cache.lengths
-        parents, mask = tree.parents(), tree.mask().to(ctx.device)
-        draw = TreeDraw(ctx, tree)
-        level = {0: (logits, feat)}
-        for d in range(1, tree.depth + 1):
-            idx = draw.level(d, lambda i: level[i][0])
-            if d == tree.depth:
-                break
-            first = idx[0] - 1
-            parent_feats = torch.stack([level[parents[i - 1]][1] for i in idx], 1)
-            toks = draw.nodes[:, first : first + len(idx)]
-            out, h = self._step(
-                toks,
-                state,
-                {
-                    "positions": base.view(B, 1) + d - 1,
-                    "tree_mask": mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
-                    "offset": first,
-                    "advance": False,
-                    "inputs_embeds": parent_feats,
-                },
-            )
-            for t, i in enumerate(idx):
-                level[i] = (self._full(out[:, t]), h[:, t])
-        return draw.proposal()
-
-    def commit(self, state: Eagle3State, lengths: torch.Tensor) -> None:
-        state.cache.rewind(torch.minimum(state.cache.lengths, (lengths - 1).clamp(min=0)))
-
-    def select_rows(self, state: Eagle3State, rows: torch.Tensor) -> None:
-        state.cache.select_rows(rows)
-        state.feats = state.feats[rows]
-
-    def add_rows(self, state: Eagle3State, new: Eagle3State) -> None:
-        state.cache.add_rows(new.cache)
-        capacity = state.cache.capacity
-        state.feats = torch.cat([pad_positions(state.feats, capacity), pad_positions(new.feats, capacity)])
+    def step(self, tokens, feats, cache, **meta):
+        # aux layer 1 of a one-layer model: its output before the final norm
+        meta = ForwardMeta(return_hidden=True, aux_layers=(1,), inputs_embeds=feats, **meta)
+        logits, hidden = self.layer.forward(tokens, cache, meta)
+        return self._full(logits), hidden
 
 
 __all__ = ["ARCHITECTURE", "KIND", "Eagle3Drafter", "is_eagle3", "load_eagle3"]

@@ -13,9 +13,8 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
-from ..models.llama import LlamaModel
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter
+from .base import DraftChain, DraftContext, Drafter, require_lean
 
 
 class UntrainedExitWarning(UserWarning):
@@ -37,12 +36,10 @@ def exit_layer_trained(target, m: int) -> bool:
 
 class EarlyExitDrafter(Drafter):
     name = "early-exit"
+    lean_only = True
 
     def __init__(self, target, exit_layer: int | None = None) -> None:
-        if not isinstance(target, LlamaModel):
-            raise SpecDecodeError(
-                "method early-exit needs a Llama checkpoint on our lean runtime (use --backend lean)"
-            )
+        require_lean(target, self.name)
         L = target.cfg.num_layers
         m = exit_layer if exit_layer is not None else max(1, L // 2)
         if not 1 <= m < L:

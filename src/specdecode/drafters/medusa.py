@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
-from ..models.llama import LlamaModel
 from ..tree import TokenTree
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, TreeDraw
+from .base import DraftChain, DraftContext, Drafter, TreeDraw, require_lean
 
 KIND = "specdecode-medusa-heads"
 
@@ -78,12 +77,12 @@ class MedusaState:
 
 class MedusaDrafter(Drafter):
     name = "medusa"
+    lean_only = True
     requires_hidden = True
     supports_tree = True
 
     def __init__(self, target, heads: MedusaHeads) -> None:
-        if not isinstance(target, LlamaModel):
-            raise SpecDecodeError("method medusa needs a Llama target on our lean runtime (--backend lean)")
+        require_lean(target, self.name)
         if heads.hidden_size != target.cfg.hidden_size:
             raise SpecDecodeError(
                 f"Medusa heads of width {heads.hidden_size} do not fit a target of width "

@@ -72,6 +72,10 @@ class CausalLM(Protocol):
     tokenizer: TextTokenizer | None
     eos_token_ids: tuple[int, ...]
     max_positions: int | None
+    # capabilities, asked by the engine and the drafters (never an isinstance check):
+    lean: bool  # our runtime: trees, offsets, early exit, fused inputs, aux layers (ForwardMeta)
+    supports_invariant: bool  # a batch-invariant forward (new_cache(..., invariant=True))
+    hybrid: bool  # linear-attention layers (new_cache(..., rollback=...))
 
     def new_cache(self, batch_size: int, capacity: int) -> Cache: ...
 

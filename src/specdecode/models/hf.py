@@ -92,6 +92,11 @@ class HFModel:
         self.tokenizer: TextTokenizer | None = None
         self.eos_token_ids: tuple[int, ...] = ()
 
+    # capabilities: transformers' forward takes plain causal chains only
+    lean = False
+    supports_invariant = False
+    hybrid = False
+
     @staticmethod
     def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFModel:
         from transformers import AutoModelForCausalLM

@@ -335,6 +335,19 @@ class LlamaModel:
         # hybrid models: how new caches roll linear-attention states back (snapshot, recompute)
         self.rollback = "snapshot"
 
+    # -- capabilities (the engine and drafters ask these, never the class) ------------------
+    lean = True  # our runtime: token trees, offsets, early exit, fused inputs, aux layers
+
+    @property
+    def supports_invariant(self) -> bool:
+        """A batch-invariant forward exists (not for linear-attention layers)."""
+        return not self.cfg.linear_layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Linear-attention layers whose recurrent state a rejected draft must roll back."""
+        return bool(self.cfg.linear_layers)
+
     @staticmethod
     def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
         cfg_dict = json.loads((path / "config.json").read_text())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +137,11 @@ class _Recorder:
     def __init__(self, aux_layers: tuple[int, ...]) -> None:
         self.aux_layers = aux_layers
 
+    def target_needs(self):
+        from ..drafters import TargetNeeds
+
+        return TargetNeeds(hidden=True, aux_layers=self.aux_layers)
+
     def start(self, ctx, target_cache) -> dict:
         return {"feats": [[] for _ in range(ctx.size)], "retired": []}
 
@@ -177,10 +182,13 @@ def distill(
 ) -> dict:
     """Answer every prompt with the target (prompt i at temperature temps[i % len(temps)]) and
     store tokens and features under `out`. Returns the index."""
-    from ..engine import SpeculativeGenerator
+    from ..config import SpecConfig
+    from ..engine import Generation
     from ..models import load
-    from ..models.llama import LlamaModel, _rms_norm
+    from ..models.llama import _rms_norm
+    from ..policy import FixedPolicy
     from ..sampling import SamplingParams
+    from ..speculation import build, encode
 
     if max_new_tokens < 1 or batch_size < 1:
         raise SpecDecodeError("--max-new-tokens and --batch-size must be >= 1")
@@ -189,7 +197,7 @@ def distill(
     if limit is not None:
         prompts = prompts[:limit]
     model = load(target, dtype=dtype)
-    if not isinstance(model, LlamaModel):
+    if not model.lean:
         raise SpecDecodeError("distill-data needs a Llama target on our lean runtime")
     if chat and (model.tokenizer is None or not model.tokenizer.chat_template):
         raise SpecDecodeError(f"{target} has no chat template; drop --chat")
@@ -229,9 +237,10 @@ def distill(
         fh.truncate(index["num_tokens"] * sizes[name])
         fh.seek(0, 2)
     answers = open(out / "answers.jsonl", "a", encoding="utf-8")
-    gen = SpeculativeGenerator(model)
     recorder = _Recorder(aux_layers)
-    gen.drafter, gen.needs_hidden = recorder, True  # target-only decoding that records features
+    # target-only decoding (the recorder drafts nothing) that records features
+    spec = build(model, None, SpecConfig())
+    spec = replace(spec, drafter=recorder, needs=recorder.target_needs())
     d_eps = cfg.hidden_size * cfg.rms_norm_eps
 
     def params(i: int) -> SamplingParams:
@@ -273,7 +282,8 @@ def distill(
         task = bar.add_task("distill", total=len(prompts), completed=len(finished_ids), info="")
         if todo:
             first, nxt = todo[:batch_size], min(batch_size, len(todo))
-            run = gen.stream([prompt_of(i) for i in first], [params(i) for i in first])
+            ids = [encode(model, prompt_of(i)) for i in first]
+            run = Generation(spec, ids, [params(i) for i in first], policy=FixedPolicy(0))
             prompt_of_row = dict(enumerate(first))
             for event in run:
                 retired = run.state["retired"]
@@ -282,7 +292,7 @@ def distill(
                 for rid, feats in zip(ended, retired):
                     i, out_row = prompt_of_row[rid], run.outputs[rid]
                     answer = list(out_row.tokens)
-                    tokens = gen._prepare([prompt_of(i)], None)[0][0] + answer
+                    tokens = encode(model, prompt_of(i)) + answer
                     store(i, tokens, len(tokens) - len(answer), answer, feats)
                     index["done"].append(i)
                 if ended:

@@ -1,0 +1,153 @@
+"""Every speculation option declared once: its SpecConfig field (which owns the default and the
+validation), its command-line flag and its help text. `generate`, `bench` and `serve` build their
+flags from `OPTIONS`, so a new option is added here and in SpecConfig, nowhere else.
+
+Also here, because the library needs them as much as the command line: the weight types by
+their short names (`DTYPES`) and where a method's trained drafter lives (`method_heads`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .config import POLICIES, SpecConfig
+from .errors import SpecDecodeError
+from .tree import TREE_SAMPLING
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a short name (fp32, bf16, fp16)."""
+    import torch
+
+    if name not in DTYPES:
+        raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, DTYPES[name])
+
+
+@dataclass(frozen=True)
+class Option:
+    """One SpecConfig field as a flag: --field-name, typed, with its help text. The default is
+    SpecConfig's (a command may override it, e.g. serve's k); validation is SpecConfig's."""
+
+    field: str
+    help: str
+    type: Any = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        f = next(f for f in fields(SpecConfig) if f.name == self.field)
+        return None if f.default is MISSING else f.default
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "method",
+        "drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle, eagle3, suffix "
+        "(SuffixDecoding: continue the longest suffix match in this and earlier requests), auto (suffix "
+        "when a long match exists, else the draft model or the trained EAGLE-3 drafter; decided per round)",
+    ),
+    Option("k", "draft tokens per round (default %(default)s; the start for adaptive policies)", int),
+    Option(
+        "policy",
+        "draft-length policy: fixed (k every round), heuristic (+2 after a fully accepted round, -1 "
+        "otherwise), confidence (stop drafting when the draft's probability of its token < "
+        "--confidence-threshold), optimal (k from Theorem 3.8 with measured acceptance and cost)",
+        choices=POLICIES,
+    ),
+    Option("confidence_threshold", "for --policy confidence (default %(default)s)", float),
+    Option("max_k", "heuristic / optimal: the longest draft (default max(2k, 8))", int),
+    Option("exit_layer", "early-exit: draft with the first M layers (default half)", int),
+    Option("ngram_max", "ngram: longest suffix to look up (default %(default)s)", int),
+    Option("ngram_min", "ngram: shortest suffix to look up (default %(default)s)", int),
+    Option(
+        "suffix_max", "suffix / auto: the longest draft a suffix match may make (default %(default)s)", int
+    ),
+    Option(
+        "heads",
+        "medusa / eagle / eagle3 / auto: the trained heads or drafter (default: the bundled one for the "
+        "target, e.g. models/smollm2-135m/eagle3)",
+        metavar="DIR",
+    ),
+    Option(
+        "tree",
+        "verify a token tree in one forward: branching per depth (3,2,1) or JSON choices "
+        "([[0],[1],[0,0]]); each node one of the drafter's top-ranked tokens (or drawn: --tree-sampling)",
+        metavar="CHOICES",
+    ),
+    Option(
+        "tree_sampling",
+        "how --tree's candidates are chosen: topk (default: the drafter's top-ranked tokens, best for "
+        "greedy), with-replacement or without-replacement (drawn from the drafter's distribution and "
+        "verified with SpecInfer's / Sequoia's exact multi-candidate rule: better at temperature > 0)",
+        choices=TREE_SAMPLING,
+    ),
+    Option(
+        "rollback",
+        "hybrid targets (linear-attention layers): undo a rejected draft's recurrent state from a "
+        "snapshot per verified position (default) or by replaying the kept positions' inputs from the "
+        "state before the round (less memory, a replay per round)",
+        choices=("snapshot", "recompute"),
+    ),
+)
+BY_FIELD = {o.field: o for o in OPTIONS}
+
+
+def add_spec_flags(parser, names: tuple[str, ...] | None = None, **defaults: Any) -> None:
+    """Add the flags of these options (all by default) to an argparse parser or group; `defaults`
+    overrides SpecConfig's default for this command (None: the command decides later, e.g. per
+    model, and its help says so)."""
+    for o in OPTIONS if names is None else [BY_FIELD[n] for n in names]:
+        default = defaults.get(o.field, o.default)
+        text = o.help if default is not None else o.help.replace("default %(default)s", "default: per model")
+        parser.add_argument(
+            o.flag, type=o.type, default=default, choices=o.choices, metavar=o.metavar, help=text
+        )
+
+
+def spec_config(args: argparse.Namespace, **overrides: Any) -> SpecConfig:
+    """The SpecConfig of parsed flags (options a command did not declare keep their defaults),
+    validated now, before any model loads: a bad value is SpecConfig's one-line error."""
+    values = {o.field: getattr(args, o.field) for o in OPTIONS if getattr(args, o.field, None) is not None}
+    values.update(overrides)
+    return SpecConfig(**values)
+
+
+def method_heads(target: str, method: str | None, heads: str | None, draft: str | None = None) -> Path | None:
+    """The trained drafter a method reads: required for medusa, eagle and eagle3; for auto the
+    bundled (or given) EAGLE-3 drafter when there is one and no draft model is given."""
+    if method in ("medusa", "eagle", "eagle3"):
+        return heads_dir(target, method, heads)
+    if method == "auto" and draft and not heads:
+        return None  # auto's model drafter is the draft model
+    if method == "auto":
+        try:
+            return heads_dir(target, "eagle3", heads)
+        except SpecDecodeError:
+            return None
+    if heads:
+        raise SpecDecodeError(f"--heads is read by methods medusa, eagle, eagle3 and auto, not {method!r}")
+    return None
+
+
+def heads_dir(target: str, method: str, heads: str | None) -> Path:
+    """--heads, or the drafter bundled for the target (models/<family>/<method>, or
+    models/<name>/<method> for a known name such as smollm2-135m)."""
+    from .models import ZOO, models_dir, resolve
+
+    if heads:
+        return Path(heads)
+    bundled = (models_dir() / target if target in ZOO else resolve(target).parent) / method
+    if not (bundled / "config.json").exists():
+        what = {"medusa": "Medusa heads", "eagle3": "EAGLE-3 drafter"}.get(method, "EAGLE drafter")
+        raise SpecDecodeError(f"no {what} for {target}; pass --heads DIR (see train-heads)")
+    return bundled
