@@ -25,7 +25,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..verify import Proposal
-from .base import DraftContext, Drafter
+from .base import NOTHING, DraftContext, Drafter, TargetNeeds
 
 MIN_MATCH = 3  # the n-gram that indexes occurrences
 MAX_MATCH = 32  # longest suffix compared
@@ -224,7 +224,6 @@ class AutoDrafter(Drafter):
     def __init__(self, suffix: SuffixDrafter, model_drafter: Drafter | None, long_match: int = 6) -> None:
         self.suffix, self.inner, self.long_match = suffix, model_drafter, long_match
         self.requires_hidden = model_drafter is not None and model_drafter.requires_hidden
-        self.aux_layers = getattr(model_drafter, "aux_layers", None)
         if model_drafter is None:
             self.advice = (
                 "no draft model and no trained EAGLE-3 drafter for this target: auto drafts from "
@@ -243,6 +242,9 @@ class AutoDrafter(Drafter):
         else:
             inner = Eagle3Drafter(target, config.heads) if config.heads is not None else None
         return cls(SuffixDrafter.create(target, None, config), inner)
+
+    def target_needs(self) -> TargetNeeds:
+        return self.inner.target_needs() if self.inner is not None else NOTHING
 
     def start(self, ctx, target_cache):
         inner = self.inner.start(ctx, target_cache) if self.inner is not None else None

@@ -19,18 +19,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache import KEY_CHUNK, KVCache, chunked, write_chunked
+from ..cache import KVCache
 from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
-from .invariant import InvariantAttention
+from .forward_plan import ForwardPlan, plan_forward
 from .linear import Linear
 from .tokenizer import TextTokenizer
 
 # the config.json model types this runtime runs (others go to the transformers adapter)
 LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "specdecode_hybrid")
 
-# scaled_dot_product_attention(enable_gqa=...) arrived in torch 2.5
-_SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 @dataclass(frozen=True)
@@ -206,29 +204,6 @@ def _rms_norm(
     else:
         sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
     return (x * scaled_weight).mul_(sum_sq.add_(d_eps).rsqrt_())
-
-
-def _tree_order(tree_mask: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, S: int) -> dict:
-    """For the invariant attention over a token tree written at slots lengths[b] + node: each
-    node's slot of every logical position (committed tokens, then its ancestors by depth), which
-    logical positions it sees, and how many leading key chunks are committed in every row."""
-    B, T = positions.shape
-    dev = lengths.device
-    N = chunked(S)
-    mask = tree_mask[:, :T].cpu()
-    depth = mask.sum(1) - 1  # ancestors (and itself) seen past the row's length
-    anc = torch.zeros(T, int(depth.max()) + 1, dtype=torch.long)
-    for t in range(T):
-        nodes = mask[t].nonzero().flatten()
-        anc[t, depth[nodes]] = nodes  # the ancestor at each depth
-    anc, depth = anc.to(dev), depth.to(dev)
-    j = torch.arange(N, device=dev).view(1, 1, N)
-    L = lengths.view(B, 1, 1)
-    rel = (j - L).clamp(0, anc.shape[1] - 1).expand(B, T, N)  # depth of logical position j
-    ancestor = anc.unsqueeze(0).expand(B, T, -1).gather(2, rel)
-    order = torch.where(j < L, j, L + ancestor)
-    seen = j <= L + depth.view(1, T, 1)
-    return {"order": order, "logical_allowed": seen, "shared_chunks": int(lengths.min()) // KEY_CHUNK}
 
 
 class LlamaModel:
@@ -436,171 +411,91 @@ class LlamaModel:
         self, tokens: torch.Tensor, cache: KVCache, meta: ForwardMeta = PLAIN
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append tokens [B, T] at each row's cache length; return (logits [B, T, V], the
-        final-normed hidden states [B, T, hidden] if meta.return_hidden else None).
+        final-normed hidden states [B, T, hidden] if meta.return_hidden else None, or the aux
+        layers' inputs with meta.aux_layers).
 
-        meta (ForwardMeta) covers the rest: an early exit (num_layers = m runs only the first m
-        layers, then the final norm and LM head; it writes those layers' keys and values
-        `offset` slots past each row's length and leaves lengths alone, so a later full forward
-        over the same tokens overwrites them), token trees (positions and tree_mask), drafts
-        written past the length (offset, advance=False), and EAGLE's fused inputs (inputs_embeds).
-
-        The common case (every row at the same length, a plain causal chain) runs on slices
-        with Python-int positions: no gathers, no index writes, and no mask at all for T = 1.
-
-        A cache made with invariant=True selects the batch-invariant forward: attention from
-        models/invariant.py, norms reduced in float32, GEMM rows padded where the kernel needs it.
-        A prefill from an empty cache stays on SDPA's causal kernel (it is the same call for a
-        prompt whatever is decoded after it; the engine prefills such rows one at a time).
+        Everything about positions, masks and which attention runs is decided once, before the
+        layers, by plan_forward (models/forward_plan.py); this is embed -> blocks -> norm ->
+        head, and each block reads the plan. meta (ForwardMeta) covers early exits
+        (num_layers), token trees (positions, tree_mask), drafts written past the length
+        (offset, advance=False) and EAGLE's fused inputs (inputs_embeds).
         """
-        positions, tree_mask, offset = meta.positions, meta.tree_mask, meta.offset
-        num_layers, inputs_embeds = meta.num_layers, meta.inputs_embeds
-        c = self.cfg
+        c, plan = self.cfg, plan_forward(self, tokens, cache, meta)
         B, T = tokens.shape
-        dev = tokens.device
-        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        G = H // Hkv
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
-        start = cache.aligned_start()  # the one length of every row, or None
-        inv = getattr(cache, "invariant", False)
-        allowed = None  # [B or 1, T, S] the slots each new token sees (invariant attention)
-        if start is not None and positions is None and tree_mask is None:
-            s = start + offset
-            S = s + T
-            if S > cache.capacity:
-                raise SpecDecodeError(
-                    f"sequence longer than the cache ({cache.capacity} tokens); lower max_new_tokens"
-                )
-            self._rope_tables(S)
-            cos, sin = self._cos[s:S].view(1, T, 1, D), self._sin[s:S].view(1, T, 1, D)
-            pos = None
-            # query t sees keys 0..s+t; one causal block over the new tokens (T = 1: no mask)
-            # additive (0 / -inf): SDPA would convert a bool mask in every layer. A prefill from
-            # an empty cache (s = 0) is plain causal attention: SDPA's causal kernel with GQA
-            # skips the masked half (900 tokens: 10.6 vs 16.8 ms a layer)
-            causal = s == 0 and T > 1 and _SDPA_GQA
-            mask = None
-            if inv and not causal:
-                allowed = torch.arange(S, device=dev).view(1, 1, S) <= torch.arange(s, S, device=dev).view(
-                    1, T, 1
-                )
-            elif not (T == 1 or causal):
-                mask = torch.full((T, S), float("-inf"), dtype=self.dtype, device=dev).triu_(s + 1)
-                if G > 1:
-                    mask = mask.repeat(G, 1)
-        else:
-            causal = False
-            pos = cache.positions(T, offset)  # [B, T] cache slots
-            rope_pos = pos if positions is None else positions
-            self._rope_tables(int(rope_pos.max()) + 1)
-            cos, sin = self._cos[rope_pos].unsqueeze(2), self._sin[rope_pos].unsqueeze(2)  # [B, T, 1, D]
-            S = int(pos.max()) + 1
-            if tree_mask is None:
-                allowed = torch.arange(S, device=dev).view(1, 1, S) <= pos.view(B, T, 1)
-            else:
-                rel = torch.arange(S, device=dev).view(1, S) - cache.lengths.view(B, 1)  # [B, S]
-                W = tree_mask.shape[1]
-                block = tree_mask[:, rel.clamp(0, W - 1)].permute(1, 0, 2)  # [B, T, S]
-                allowed = (rel < 0).unsqueeze(1) | (block & (rel < W).unsqueeze(1))
-            if not inv:
-                blocked = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
-                    ~allowed, float("-inf")
-                )
-                mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
-            rows = torch.arange(B, device=dev).view(B, 1).expand(B, T)
-        attention = None
-        if inv and allowed is not None:
-            tree = {} if tree_mask is None else _tree_order(tree_mask, cache.lengths, positions, S)
-            attention = InvariantAttention(allowed, B, Hkv, G, D, self.dtype, **tree)
-        x = F.embedding(tokens, self.embed) if inputs_embeds is None else inputs_embeds
+        x = F.embedding(tokens, self.embed) if meta.inputs_embeds is None else meta.inputs_embeds
         x = x.reshape(B * T, c.hidden_size)
-        d_eps = c.hidden_size * c.rms_norm_eps
-        aux_layers = meta.aux_layers if meta.return_hidden else None
         aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
-        parents = None
-        for i, layer in enumerate(layers):
-            if aux_layers is not None and i in aux_layers:
+        for i, layer in enumerate(plan.layers):
+            if i in plan.aux_layers:
                 aux[i] = x
-            if layer.linear:
-                from .linear_attention import linear_attention_inputs, tree_parents
-
-                if tree_mask is not None and parents is None:
-                    parents = tree_parents(tree_mask)
-                h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
-                q, k, v, a, b = linear_attention_inputs(layer.qkv(h), B, T, H, D, cache.state_dtype)
-                advance = num_layers is None and meta.advance
-                out = cache.run_layer(i, q, k, v, a, b, parents, advance, offset)
-                attn = out.to(self.dtype).reshape(B * T, H * D)
-                x = layer.o(attn, residual=x, invariant=inv)
-                h = _rms_norm(x, layer.mlp_norm_s, d_eps, inv)
-                gate_up = layer.gate_up(h, invariant=inv)
-                act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
-                x = layer.down(act, residual=x, invariant=inv)
-                continue
-            if layer.hidden_norm_s is None:
-                h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
-            else:  # EAGLE-3: the token's embedding beside the fed feature
-                e = F.embedding(tokens, self.embed).reshape(B * T, c.hidden_size)
-                h = torch.cat(
-                    [
-                        _rms_norm(e, layer.attn_norm_s, d_eps, inv),
-                        _rms_norm(x, layer.hidden_norm_s, d_eps, inv),
-                    ],
-                    -1,
-                )
-            qkv = layer.qkv(h, invariant=inv).view(B, T, H + 2 * Hkv, D)
-            qk = qkv[:, :, : H + Hkv]
-            if layer.qk_norm_s is not None:  # qwen3: each head's query and key normed over D
-                qk = _rms_norm(qk, layer.qk_norm_s, D * c.rms_norm_eps, inv)
-            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
-            k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-            kv = self.kv_index[i]
-            layer_k, layer_v = cache.layer_k[kv], cache.layer_v[kv]  # [B, Hkv, capacity, D]
-            if pos is None:
-                layer_k.narrow(2, s, T).copy_(k)
-                if inv:
-                    write_chunked(layer_v, s, v)
-                else:
-                    layer_v.narrow(2, s, T).copy_(v)
-            else:  # ragged rows or a tree: one index write per layer, the checks done once above
-                layer_k[rows, :, pos] = k.transpose(1, 2).to(layer_k.dtype)
-                if inv:  # chunk-major values: slot = (chunk, offset)
-                    layer_v[pos // KEY_CHUNK, rows, :, pos % KEY_CHUNK] = v.transpose(1, 2).to(layer_v.dtype)
-                else:
-                    layer_v[rows, :, pos] = v.transpose(1, 2)
-            if inv:  # the float32 cache holds a copy; a causal prefill attends to k, v as they are
-                keys, values = k, v
-            else:
-                keys, values = layer_k.narrow(2, 0, S), layer_v.narrow(2, 0, S)
-            # grouped-query attention without copying K/V: fold the G query heads of each
-            # kv head into the query-length axis
-            if attention is not None:
-                attn = attention(qk[:, :, :H], layer_k, layer_v)
-            elif causal:
-                q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
-                attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=G > 1)
-                attn = attn.transpose(1, 2).reshape(B * T, H * D)
-            else:
-                q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-                attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-            x = layer.o(attn, residual=x, invariant=inv)
-            h = _rms_norm(x, layer.mlp_norm_s, d_eps, inv)
-            gate_up = layer.gate_up(h, invariant=inv)
-            act = F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
-            x = layer.down(act, residual=x, invariant=inv)
-        if aux_layers is not None and len(layers) in aux_layers:  # the last layer's output
-            aux[len(layers)] = x
-        if num_layers is None and meta.advance:
+            block = _linear_attention_block if layer.linear else _attention_block
+            x = block(self, i, layer, x, tokens, cache, plan)
+        aux[len(plan.layers)] = x  # the last layer's output, before the final norm
+        if plan.advance:
             cache.advance(T)
-        x = _rms_norm(x, self._final_norm_s, d_eps, inv)
+        x = _rms_norm(x, self._final_norm_s, plan.d_eps, plan.invariant)
         hidden = x.view(B, T, -1) if meta.return_hidden else None
-        if aux_layers is not None:
-            if not all(i in aux for i in aux_layers):
-                raise SpecDecodeError(f"aux layers {aux_layers} are not all in 0..{len(layers)}")
-            hidden = torch.cat([aux[i] for i in aux_layers], -1).view(B, T, -1)
+        if plan.aux_layers:
+            if not all(i in aux for i in plan.aux_layers):
+                raise SpecDecodeError(f"aux layers {plan.aux_layers} are not all in 0..{len(plan.layers)}")
+            hidden = torch.cat([aux[i] for i in plan.aux_layers], -1).view(B, T, -1)
         if not meta.need_logits:
             return None, hidden
         if meta.logits_at is not None and T > 1:  # only the positions asked for
-            rows = torch.arange(B, device=dev)
-            return self._head(x.view(B, T, -1)[rows, meta.logits_at], invariant=inv).view(B, 1, -1), hidden
-        return self._head(x, invariant=inv).view(B, T, -1), hidden
+            x = x.view(B, T, -1)[torch.arange(B, device=x.device), meta.logits_at]
+            return self._head(x, invariant=plan.invariant).view(B, 1, -1), hidden
+        return self._head(x, invariant=plan.invariant).view(B, T, -1), hidden
+
+
+def _mlp(model: LlamaModel, layer: _Layer, x: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+    """The SwiGLU half of a block, residual included."""
+    inv, inter = plan.invariant, model.cfg.intermediate_size
+    h = _rms_norm(x, layer.mlp_norm_s, plan.d_eps, inv)
+    gate_up = layer.gate_up(h, invariant=inv)
+    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    return layer.down(act, residual=x, invariant=inv)
+
+
+def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache, plan: ForwardPlan):
+    """One decoder layer with softmax attention: norm, q|k|v (Qwen2's biases live in the
+    projection; Qwen3's per-head q/k norms here; EAGLE-3's input layer reads the token's
+    embedding beside the fed feature), RoPE, the cache write, attention as the plan says, MLP."""
+    c, inv = model.cfg, plan.invariant
+    B, T = tokens.shape
+    H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+    if layer.hidden_norm_s is None:
+        h = _rms_norm(x, layer.attn_norm_s, plan.d_eps, inv)
+    else:  # EAGLE-3: the token's embedding beside the fed feature
+        e = F.embedding(tokens, model.embed).reshape(B * T, c.hidden_size)
+        h = torch.cat(
+            [
+                _rms_norm(e, layer.attn_norm_s, plan.d_eps, inv),
+                _rms_norm(x, layer.hidden_norm_s, plan.d_eps, inv),
+            ],
+            -1,
+        )
+    qkv = layer.qkv(h, invariant=inv).view(B, T, H + 2 * Hkv, D)
+    qk = qkv[:, :, : H + Hkv]
+    if layer.qk_norm_s is not None:  # qwen3: each head's query and key normed over D
+        qk = _rms_norm(qk, layer.qk_norm_s, D * c.rms_norm_eps, inv)
+    qk = torch.addcmul(qk * plan.cos, qk.roll(D // 2, -1), plan.sin)  # RoPE on q and k at once
+    k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+    kv = model.kv_index[i]
+    keys, values = plan.write_kv(cache.layer_k[kv], cache.layer_v[kv], k, v)
+    attn = plan.attend(qk[:, :, :H], keys, values, cache.layer_k[kv], cache.layer_v[kv])
+    x = layer.o(attn, residual=x, invariant=inv)
+    return _mlp(model, layer, x, plan)
+
+
+def _linear_attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache, plan: ForwardPlan):
+    """One gated delta-rule layer of a hybrid model (models/linear_attention.py), then its MLP."""
+    from .linear_attention import linear_attention_inputs
+
+    c, inv = model.cfg, plan.invariant
+    B, T = tokens.shape
+    h = _rms_norm(x, layer.attn_norm_s, plan.d_eps, inv)
+    q, k, v, a, b = linear_attention_inputs(layer.qkv(h), B, T, c.num_heads, c.head_dim, cache.state_dtype)
+    out = cache.run_layer(i, q, k, v, a, b, plan.parents, plan.advance, plan.offset)
+    attn = out.to(model.dtype).reshape(B * T, c.num_heads * c.head_dim)
+    x = layer.o(attn, residual=x, invariant=inv)
+    return _mlp(model, layer, x, plan)

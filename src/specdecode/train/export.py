@@ -8,7 +8,8 @@ post_attention_layernorm}.weight` [d], `midlayer.self_attn.{q,k,v}_proj.weight` 
 `lm_head.weight` [draft_vocab, d], `d2t` [draft_vocab] int64 (target id = draft id + d2t) and
 `t2d` [vocab] bool (vLLM's vllm/model_executor/models/llama_eagle3.py and SGLang's
 python/sglang/srt/models/llama_eagle3.py). The export adds the target's `embed_tokens.weight`, so
-the checkpoint does not depend on either engine sharing the target's embeddings.
+the checkpoint does not depend on either engine sharing the target's embeddings; they are written in
+the target's stored precision, so the engines read the very numbers our drafter reads.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def export(heads: str | Path, fmt: str, out: str | Path, embeddings: bool = True
         target = meta.get("target")
         if not target:
             raise SpecDecodeError(f"{heads}/config.json names no target; export with --no-embeddings")
-        weights["embed_tokens.weight"] = _target_embeddings(target).to(torch.float16).contiguous()
+        # in the target's own stored precision: an fp16 copy of fp32 embeddings (a GGUF target's
+        # dequantized ones) moved the drafter's logits by 4e-4 (tests/test_export_reference.py)
+        weights["embed_tokens.weight"] = _target_embeddings(target).contiguous()
     aux = cfg["eagle_aux_hidden_state_layer_ids"]
     cfg.update(
         architectures=[ARCHITECTURE],
