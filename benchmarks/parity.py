@@ -35,33 +35,66 @@ CASES: list[tuple[str, str | None, str, dict]] = [
     ("python-code/target", None, "fp32", {}),
     ("python-code/target", "python-code/draft", "fp32", {"method": "draft"}),
     ("python-code/target", "python-code/draft", "fp32", {"method": "draft", "tree": "3,2,1"}),
-    ("python-code/target", "python-code/draft", "fp32",
-     {"method": "draft", "tree": "2,2,1", "tree_sampling": "with-replacement"}),
-    ("python-code/target", "python-code/draft", "fp32",
-     {"method": "draft", "tree": "2,2,1", "tree_sampling": "without-replacement"}),
+    (
+        "python-code/target",
+        "python-code/draft",
+        "fp32",
+        {"method": "draft", "tree": "2,2,1", "tree_sampling": "with-replacement"},
+    ),
+    (
+        "python-code/target",
+        "python-code/draft",
+        "fp32",
+        {"method": "draft", "tree": "2,2,1", "tree_sampling": "without-replacement"},
+    ),
     ("python-code/target", "python-code/draft", "fp32", {"method": "draft", "policy": "heuristic"}),
     ("python-code/target", "python-code/draft", "fp32", {"method": "draft", "policy": "confidence"}),
     ("python-code/target", None, "fp32", {"method": "ngram"}),
     ("python-code/target", None, "fp32", {"method": "suffix"}),
     ("python-code/target", None, "fp32", {"method": "early-exit", "exit_layer": 3}),
     ("python-code/target", None, "fp32", {"method": "medusa", "heads": "models/python-code/medusa"}),
-    ("python-code/target", None, "fp32",
-     {"method": "medusa", "heads": "models/python-code/medusa", "tree": "2,2"}),
+    (
+        "python-code/target",
+        None,
+        "fp32",
+        {"method": "medusa", "heads": "models/python-code/medusa", "tree": "2,2"},
+    ),
     ("python-code/target", None, "fp32", {"method": "eagle", "heads": "models/python-code/eagle"}),
-    ("python-code/target", None, "fp32",
-     {"method": "eagle", "heads": "models/python-code/eagle", "tree": "3,2,1"}),
+    (
+        "python-code/target",
+        None,
+        "fp32",
+        {"method": "eagle", "heads": "models/python-code/eagle", "tree": "3,2,1"},
+    ),
     ("python-code/target", "python-code/draft", "fp32", {"method": "auto"}),
     ("three-kingdoms/target", "three-kingdoms/draft-64", "fp32", {"method": "draft", "k": 3}),
     ("three-kingdoms/target", None, "fp32", {"method": "eagle", "heads": "models/three-kingdoms/eagle"}),
     ("three-kingdoms/hybrid", "three-kingdoms/draft-64", "fp32", {"method": "draft"}),
-    ("three-kingdoms/hybrid", "three-kingdoms/draft-64", "fp32", {"method": "draft", "rollback": "recompute"}),
+    (
+        "three-kingdoms/hybrid",
+        "three-kingdoms/draft-64",
+        "fp32",
+        {"method": "draft", "rollback": "recompute"},
+    ),
     ("smollm2-135m", None, "bf16", {"batch_invariant": True}),
-    ("smollm2-135m", None, "bf16", {"method": "eagle3", "heads": "models/smollm2-135m/eagle3", "k": 3,
-                                    "batch_invariant": True}),
-    ("smollm2-135m", None, "bf16", {"method": "eagle3", "heads": "models/smollm2-135m/eagle3",
-                                    "tree": "2,2,1", "batch_invariant": True}),
-    ("smollm2-135m", None, "bf16", {"method": "auto", "heads": "models/smollm2-135m/eagle3",
-                                    "batch_invariant": True}),
+    (
+        "smollm2-135m",
+        None,
+        "bf16",
+        {"method": "eagle3", "heads": "models/smollm2-135m/eagle3", "k": 3, "batch_invariant": True},
+    ),
+    (
+        "smollm2-135m",
+        None,
+        "bf16",
+        {"method": "eagle3", "heads": "models/smollm2-135m/eagle3", "tree": "2,2,1", "batch_invariant": True},
+    ),
+    (
+        "smollm2-135m",
+        None,
+        "bf16",
+        {"method": "auto", "heads": "models/smollm2-135m/eagle3", "batch_invariant": True},
+    ),
     ("smollm2-135m", None, "bf16", {"method": "ngram", "batch_invariant": True}),
 ]
 
@@ -118,7 +151,9 @@ def main() -> int:
         diffs = [k for k in want if got.get(k) != want[k]]
         missing = [k for k in want if k not in got]
         runs = sum(len(v) for v in want.values())
-        print(f"{len(want)} configurations, {runs} rows compared: {len(diffs)} differ, {len(missing)} missing")
+        print(
+            f"{len(want)} configurations, {runs} rows compared: {len(diffs)} differ, {len(missing)} missing"
+        )
         for k in diffs:
             print("  differs:", k)
         return 1 if diffs or missing else 0

@@ -153,7 +153,7 @@ def test_smollm2_bf16_ngram_greedy_equals_target_only_alone_and_batched():
 def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant(method):
     """The bundled drafter is found by the target's name, drafts (some tokens accepted) and keeps
     the target's greedy tokens: bf16 with --batch-invariant, alone and in a batch."""
-    from specdecode.cli.generate import method_heads
+    from specdecode.options import method_heads
 
     target = load("smollm2-135m", dtype=torch.bfloat16)
     chats = [[{"role": "user", "content": c}] for c in CHATS]

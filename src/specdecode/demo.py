@@ -249,9 +249,9 @@ def run_chat_demo(
     interleaved in this one process after a warm-up, with tokens/s, tau and the speed-up."""
     import torch
 
-    from .cli.generate import method_heads
     from .engine import SpeculativeGenerator
     from .models import load
+    from .options import method_heads
     from .sampling import SamplingParams
 
     console = console or Console()
@@ -323,9 +323,9 @@ def run_pair_demo(
     target-only ~1.4x here."""
     import torch
 
-    from .cli.generate import DTYPES
     from .engine import SpeculativeGenerator
     from .models import load
+    from .options import DTYPES
     from .sampling import SamplingParams
 
     console = console or Console()

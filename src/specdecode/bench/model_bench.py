@@ -185,7 +185,7 @@ def _gguf_of(target: str, path: Path) -> Path | None:
 
 
 def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Runner]:
-    from ..cli.generate import method_heads
+    from ..options import method_heads
 
     runners: list[Runner] = [
         OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
@@ -245,7 +245,7 @@ INV_BASE = "ours target-only (batch-invariant)"
 
 
 def _draft_dtype(cfg: ModelBenchConfig, dtype: torch.dtype) -> torch.dtype:
-    from ..cli.generate import DTYPES
+    from ..options import DTYPES
 
     return getattr(torch, DTYPES[cfg.draft_dtype]) if cfg.draft_dtype else dtype
 
@@ -312,7 +312,7 @@ def _pass_at_1(target, prompts: list[dict], runs: dict[str, list[Run]], chat: bo
 
 
 def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
-    from ..cli.generate import DTYPES
+    from ..options import DTYPES
 
     dtype = getattr(torch, DTYPES[cfg.dtype])
     prompts = read_prompts(cfg.prompts)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .generate import DTYPES
+from ..options import DTYPES
 
 
 def register(sub) -> None:

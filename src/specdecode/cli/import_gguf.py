@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .generate import DTYPES
+from ..options import DTYPES
 
 
 def register(sub) -> None:

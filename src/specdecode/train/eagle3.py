@@ -304,7 +304,6 @@ def train_eagle3(
     from safetensors.torch import save_file
 
     from ..models import load
-    from ..models.llama import LlamaModel
 
     if ttt_steps < 1 or draft_vocab < 2 or batch_tokens < 16 or not lr > 0 or not epochs > 0:
         raise SpecDecodeError(
@@ -312,7 +311,7 @@ def train_eagle3(
         )
     data = DistillData.open(data_dir)
     model = load(target, dtype=torch.float32)
-    if not isinstance(model, LlamaModel):
+    if not model.lean:
         raise SpecDecodeError("train-heads --method eagle3 needs a Llama target on our lean runtime")
     tc = model.cfg
     if data.index["hidden_size"] != tc.hidden_size or data.index["vocab_size"] != tc.vocab_size:

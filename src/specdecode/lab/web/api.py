@@ -485,7 +485,7 @@ class Lab:
             )
         key = (target, method, k)
         if key not in self.generators:
-            from ...cli.generate import method_heads
+            from ...options import method_heads
 
             model = self.model(target)
             # the real model runs in bf16: batch-invariant kernels keep greedy speculative output
