@@ -244,8 +244,17 @@ def write_tiny_qwen_gguf(root: Path, seed: int = 0) -> tuple[Path, Path]:
     tokens = ["<|endoftext|>", *alphabet, "<|im_start|>", "<|im_end|>", "he", "hel"]
     heads, kv_heads, dim, inter, layers = 4, 2, 256, 512, 2
     hf = init_model(
-        root / "hf", vocab=len(tokens), layers=layers, dim=dim, heads=heads, kv_heads=kv_heads,
-        intermediate=inter, seed=seed, init_std=0.05, tie_embeddings=False, arch="qwen2",
+        root / "hf",
+        vocab=len(tokens),
+        layers=layers,
+        dim=dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=inter,
+        seed=seed,
+        init_std=0.05,
+        tie_embeddings=False,
+        arch="qwen2",
     )
     w = {k: v.float().numpy() for k, v in load_file(str(hf / "model.safetensors")).items()}
     cfg = json.loads((hf / "config.json").read_text())  # Qwen's RoPE base, as the GGUF says
@@ -253,8 +262,17 @@ def write_tiny_qwen_gguf(root: Path, seed: int = 0) -> tuple[Path, Path]:
     (hf / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(seed)
     # the real pair's mix: K-quants in the projections, Q5_0 embedding, Q8_0 head, F32 the rest
-    kinds = {"q_proj": T.Q4_K, "k_proj": T.Q4_K, "o_proj": T.Q4_K, "gate_proj": T.Q4_K, "up_proj": T.Q4_K,
-             "v_proj": T.Q6_K, "down_proj": T.Q6_K, "embed_tokens": T.Q5_0, "lm_head": T.Q8_0}
+    kinds = {
+        "q_proj": T.Q4_K,
+        "k_proj": T.Q4_K,
+        "o_proj": T.Q4_K,
+        "gate_proj": T.Q4_K,
+        "up_proj": T.Q4_K,
+        "v_proj": T.Q6_K,
+        "down_proj": T.Q6_K,
+        "embed_tokens": T.Q5_0,
+        "lm_head": T.Q8_0,
+    }
     names = GGUF_LAYER_NAMES
     path = root / "tiny-qwen2.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen2")
@@ -319,3 +337,42 @@ def random_heads(d: int, h: int = 3, seed: int = 0, scale: float = 0.3):
         torch.randn(h, d, d, generator=g, dtype=torch.float64) * scale / d**0.5,
         torch.randn(h, d, generator=g, dtype=torch.float64) * scale,
     )
+
+
+def write_prompts(path, prompts) -> None:
+    """A distill-data prompts file of token-id prompts."""
+    import json
+
+    path.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+
+
+def train_tiny_eagle3(target_dir, root, prompts, draft_vocab, tokens=24):
+    """distill-data on `prompts` (greedy and T = 1 answers), then a short EAGLE-3 training:
+    (the data directory, the drafter directory)."""
+    from specdecode.train.distill import distill
+    from specdecode.train.eagle3 import train_eagle3
+
+    write_prompts(root / "p.jsonl", prompts)
+    data = root / "data"
+    distill(
+        target_dir,
+        root / "p.jsonl",
+        data,
+        chat=False,
+        max_new_tokens=tokens,
+        temperature="0,1",
+        batch_size=4,
+        dtype=torch.float32,
+        progress=False,
+    )
+    train_eagle3(
+        target_dir,
+        data,
+        root / "e3",
+        draft_vocab=draft_vocab,
+        ttt_steps=2,
+        epochs=2,
+        batch_tokens=256,
+        progress=False,
+    )
+    return data, root / "e3"

@@ -1,17 +1,14 @@
 """EAGLE: a one-layer feature-level drafter trained by train-heads; it reads the target's
 features of committed positions, and keeps the target's greedy tokens and distribution."""
 
-import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, seeded, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.cli import main
 from specdecode.drafters.eagle import load_eagle
 from specdecode.models.base import WITH_HIDDEN, ForwardMeta
 from specdecode.models.init import init_model
-from specdecode.train.heads import train_eagle
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 10)] for i in range(6)]
@@ -24,22 +21,9 @@ def corpus(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def eagle_pair(pair_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle")
-    out = root / "eagle"
-    train_eagle(pair_dir[0], corpus(root), out, steps=3, batch_size=4, seq_len=32, progress=False)
-    return load(pair_dir[0], dtype=torch.float64), out
-
-
-@pytest.mark.parametrize("tree", [None, "2,2", "3,1,1"])
-def test_eagle_greedy_equals_target_greedy_batch_1_and_ragged_batch(eagle_pair, tree):
-    target, eagle = eagle_pair
-    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
-    gen = SpeculativeGenerator(target, k=3, method="eagle", heads=eagle, tree=tree)
-    got = [gen.generate([p], GREEDY)[0] for p in PROMPTS]
-    assert [r.token_ids for r in got] == want
-    assert sum(r.stats.drafted for r in got) > 0
-    assert [r.token_ids for r in gen.generate(PROMPTS, GREEDY)] == want
+def eagle_pair(pair_dir, trained64):
+    """The vocab-64 target and its EAGLE drafter (conftest's trained64)."""
+    return load(pair_dir[0], dtype=torch.float64), trained64["eagle"]
 
 
 def test_eagle_first_draft_reads_the_targets_own_features(eagle_pair):
@@ -60,28 +44,6 @@ def test_eagle_first_draft_reads_the_targets_own_features(eagle_pair):
         q = torch.softmax(logits, -1)
         assert rec.draft_prob[0] == pytest.approx(float(q[rec.draft_token_ids[0]]), rel=1e-8)
         context += rec.emitted_token_ids
-
-
-@pytest.mark.parametrize("tree", [None, "2,2", "2,2/without-replacement"])
-def test_eagle_sampling_keeps_the_two_token_joint(tmp_path, tree):
-    t = init_model(tmp_path / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
-    text = tmp_path / "c.txt"
-    text.write_text("".join(f"ab{i % 7}c\n" for i in range(20000)))
-    train_eagle(t, text, tmp_path / "e", steps=3, batch_size=4, seq_len=16, progress=False)
-    target = load(t, dtype=torch.float64)
-    prompt, V = [5, 9, 2], 16
-    joint = two_token_joint(target, prompt)
-    tree, _, sampling = (tree or "").partition("/")
-    gen = SpeculativeGenerator(
-        target, k=2, method="eagle", heads=tmp_path / "e", tree=tree or None, tree_sampling=sampling or None
-    )
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=9, ignore_eos=True)
-    results = gen.generate([prompt] * 40_000, seeded(params, 40_000))
-    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
-    ok, msg = check_distribution(pairs, joint)
-    assert ok, msg
-    acc, tested = sum(r.stats.accepted for r in results), sum(r.stats.tested for r in results)
-    assert 0 < acc < tested
 
 
 def test_train_heads_eagle_cli_and_errors(pair_dir, tmp_path, capsys):

@@ -7,41 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy, resample_from_p_after_rejection, seeded, two_token_joint
+from helpers import check_distribution, noisy_copy, resample_from_p_after_rejection, seeded
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.models.base import logits_of
 from specdecode.models.init import init_model
 
 RUNS = 60_000
 PROMPT = [5, 7, 2]
-
-
-def two_token_run(vocab16_dirs, dtype) -> tuple[np.ndarray, np.ndarray, float]:
-    """(sampled pairs x1 * V + x2, the target's exact joint in that dtype, acceptance rate)."""
-    target, draft = (load(p, dtype=dtype) for p in vocab16_dirs)
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=31, ignore_eos=True)
-    results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, seeded(params, RUNS))
-    V = target.vocab_size
-    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
-    joint = two_token_joint(target, PROMPT).astype(np.float64)
-    rate = sum(r.stats.accepted for r in results) / sum(r.stats.tested for r in results)
-    return pairs, joint / joint.sum(), rate
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_two_token_joint_equals_target_in_the_model_dtype(vocab16_dirs, dtype):
-    pairs, joint, rate = two_token_run(vocab16_dirs, dtype)
-    ok, msg = check_distribution(pairs, joint)
-    assert ok, msg
-    assert 0.2 < rate < 0.95, rate  # acceptances and rejections both happened
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_two_token_check_in_the_model_dtype_catches_resampling_from_p(vocab16_dirs, dtype, monkeypatch):
-    resample_from_p_after_rejection(monkeypatch)
-    pairs, joint, _ = two_token_run(vocab16_dirs, dtype)
-    ok, msg = check_distribution(pairs, joint)
-    assert not ok, msg
 
 
 @pytest.fixture(scope="module")

@@ -499,7 +499,7 @@ def free_port() -> int:
     [
         (["--port", "70000"], "--port must be in"),
         (["--max-batch", "0"], "--max-batch must be >= 1"),
-        (["--policy", "fast"], "unknown --policy"),
+        (["--policy", "fast"], "argument --policy: invalid choice: 'fast'"),
         (["--load-costs", "x.json", "--no-load-aware"], "--load-costs is read by"),
     ],
 )

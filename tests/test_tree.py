@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy, seeded, two_token_joint
+from helpers import check_distribution
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.models.base import ForwardMeta, logits_of
 from specdecode.models.init import init_model
@@ -68,31 +68,6 @@ def models(pair_dir):
 @pytest.mark.parametrize(
     "spec", ["1,1,1", "3,2", "4,2,1", "[[0], [1], [0, 0], [1, 0], [0, 0, 0]]", "4,2,1/without-replacement"]
 )
-def test_tree_greedy_tokens_equal_target_greedy_batch_1_and_4(models, spec):
-    target, draft = models
-    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, GREEDY)]
-    spec, _, sampling = spec.partition("/")
-    gen = SpeculativeGenerator(target, draft=draft, tree=spec, tree_sampling=sampling or None)
-    got = [gen.generate([p], GREEDY)[0] for p in PROMPTS]
-    assert [r.token_ids for r in got] == want
-    assert sum(r.stats.accepted for r in got) > 0
-    assert [r.token_ids for r in gen.generate(PROMPTS[:4], GREEDY)] == want[:4]
-
-
-@pytest.mark.parametrize("sampling", [None, "with-replacement", "without-replacement"])
-def test_tree_round_through_engine_keeps_the_two_token_joint(tmp_path, sampling):
-    root = tmp_path
-    t = init_model(root / "t", vocab=16, layers=2, dim=32, heads=2, seed=5, init_std=0.5)
-    d = noisy_copy(t, root / "d", noise=0.3, seed=6)
-    target, draft = load(t, dtype=torch.float64), load(d, dtype=torch.float64)
-    prompt, V = [5, 9, 2], 16
-    joint = two_token_joint(target, prompt)
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5, ignore_eos=True)
-    gen = SpeculativeGenerator(target, draft=draft, tree="2,2", tree_sampling=sampling)
-    results = gen.generate([prompt] * 40_000, seeded(params, 40_000))
-    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
-    ok, msg = check_distribution(pairs, joint)
-    assert ok, msg
 
 
 def test_cache_after_keeping_a_tree_path_equals_a_fresh_prefill(models):

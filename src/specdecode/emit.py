@@ -168,3 +168,28 @@ def _apply_stop(
         if hits:
             return new[: j + 1], text[: min(hits)]
     return new, None
+
+
+def token_logprobs(logits: torch.Tensor, verdict: Verdict, params: list[SamplingParams]) -> list | None:
+    """Per row that asked (None for the others): each verified token's log-probability under
+    the target's own distribution (log-softmax of the verification forward's logits at the
+    position that predicted it, no temperature or filters), with the n most likely tokens."""
+    if all(p.logprobs is None for p in params):
+        return None
+    n_emit = verdict.num_emitted.tolist()
+    out: list = []
+    for b, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        n = n_emit[b]
+        pos = list(range(n)) if verdict.path is None else [0, *verdict.path[b]][:n]
+        lp = torch.log_softmax(logits[b, pos].float(), -1)
+        chosen = lp.gather(1, verdict.tokens[b, :n].view(-1, 1)).squeeze(1).tolist()
+        if p.logprobs:
+            top_v, top_i = lp.topk(p.logprobs, -1)
+            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+        else:
+            tops = [[] for _ in range(n)]
+        out.append(list(zip(chosen, tops)))
+    return out

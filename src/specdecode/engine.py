@@ -1,6 +1,7 @@
-"""SpeculativeGenerator: prefill, then rounds of propose -> ONE target forward -> verify ->
-commit -> emit, for a batch of rows that may stop at different times and may be joined by new
-rows between rounds. The round is `Generation._round`; everything else here sets it up."""
+"""A running batch (Generation): prefill, then rounds of propose -> ONE target forward -> verify
+-> commit -> emit (`Generation._round`), rows stopping at their own time and joining between
+rounds; it reads only the Speculation that speculation.build decided. SpeculativeGenerator is
+the front: encode, stream, generate."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from .config import SpecConfig
-from .emit import GenerationResult, RoundEvent, RowOutput, emit
+from .emit import GenerationResult, RoundEvent, RowOutput, emit, token_logprobs
 from .errors import SpecDecodeError
 from .models.base import CausalLM, extend
 from .policy import CostModel, LoadAwarePolicy, LoadCosts, RoundOutcome, make_policy
@@ -62,7 +63,7 @@ class Generation:
         t2 = time.perf_counter()
         # 4. verify: how many drafts each row keeps, and the one token the target adds
         verdict = verify_proposal(proposal, logits, rows.warp, rows.rng)
-        logprobs = _logprobs(logits, verdict, rows.params)
+        logprobs = token_logprobs(logits, verdict, rows.params)
         # 5. commit: the accepted drafts stay in the caches, the tokens join the rows
         self._commit(verdict, hidden)
         # 6. emit: stop rules, stats, trace
@@ -227,31 +228,6 @@ def _along(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
     B, width = hidden.shape[0], 1 + max(len(p) for p in paths)
     along = torch.tensor([[0, *p] + [0] * (width - 1 - len(p)) for p in paths], device=hidden.device)
     return hidden.gather(1, along.unsqueeze(-1).expand(B, width, hidden.shape[-1]))
-
-
-def _logprobs(logits: torch.Tensor, verdict: Verdict, params: list[SamplingParams]) -> list | None:
-    """Per row that asked (None for the others): each verified token's log-probability under
-    the target's own distribution (log-softmax of the verification forward's logits at the
-    position that predicted it, no temperature or filters), with the n most likely tokens."""
-    if all(p.logprobs is None for p in params):
-        return None
-    n_emit = verdict.num_emitted.tolist()
-    out: list = []
-    for b, p in enumerate(params):
-        if p.logprobs is None:
-            out.append(None)
-            continue
-        n = n_emit[b]
-        pos = list(range(n)) if verdict.path is None else [0, *verdict.path[b]][:n]
-        lp = torch.log_softmax(logits[b, pos].float(), -1)
-        chosen = lp.gather(1, verdict.tokens[b, :n].view(-1, 1)).squeeze(1).tolist()
-        if p.logprobs:
-            top_v, top_i = lp.topk(p.logprobs, -1)
-            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-        else:
-            tops = [[] for _ in range(n)]
-        out.append(list(zip(chosen, tops)))
-    return out
 
 
 def _outcome(verdict: Verdict) -> RoundOutcome:

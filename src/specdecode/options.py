@@ -119,7 +119,13 @@ def spec_config(args: argparse.Namespace, **overrides: Any) -> SpecConfig:
     validated now, before any model loads: a bad value is SpecConfig's one-line error."""
     values = {o.field: getattr(args, o.field) for o in OPTIONS if getattr(args, o.field, None) is not None}
     values.update(overrides)
-    return SpecConfig(**values)
+    try:
+        return SpecConfig(**values)
+    except SpecDecodeError as e:  # name the flag: "k must be ..." -> "--k must be ..."
+        o = next((o for o in OPTIONS if str(e).startswith(o.field + " ")), None)
+        if o is None:
+            raise
+        raise SpecDecodeError(o.flag + str(e)[len(o.field) :]) from None
 
 
 def method_heads(target: str, method: str | None, heads: str | None, draft: str | None = None) -> Path | None:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..options import DTYPES
+from ..options import DTYPES, add_spec_flags
 
 
 def register(sub) -> None:
@@ -54,18 +54,7 @@ def register(sub) -> None:
         "--target", metavar="MODEL", help="known name (smollm2-135m), bundled name or model directory"
     )
     t.add_argument("--draft", metavar="MODEL", help="draft model (method draft; adds transformers assisted)")
-    t.add_argument(
-        "--method", help="drafting method: draft, ngram, early-exit, medusa, eagle, eagle3, suffix, auto"
-    )
-    t.add_argument(
-        "--heads",
-        metavar="DIR",
-        help="medusa / eagle / eagle3 drafter (default: the bundled one for the target)",
-    )
-    t.add_argument("--tree", metavar="CHOICES", help="verify a token tree drafted by --method (e.g. 4,2,1)")
-    t.add_argument("--policy", default="fixed", help="draft-length policy (default fixed)")
-    t.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
-    t.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
+    add_spec_flags(t, ("method", "heads", "tree", "policy", "ngram_max", "ngram_min"))
     t.add_argument(
         "--category", action="append", help="only these categories (repeatable; default all of --prompts)"
     )

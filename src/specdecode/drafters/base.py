@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..errors import SpecDecodeError
+from ..models.base import chunk_steps
 from ..sampling import RowRandom, Warp, logits_to_probs, sample
 from ..verify import Proposal
 
@@ -250,24 +251,16 @@ def pad_positions(t: torch.Tensor, capacity: int, dim: int = 1) -> torch.Tensor:
 
 
 def catch_up(cache, todo: torch.Tensor, feed) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed each row's todo[b] pending pairs through a drafter layer whose cache is `cache`:
-    feed(j) runs the layer on pair indices j [B, M] (row b's first fed ones real, the rest
-    padding, written after its length and dropped by the rewind) and returns logits and hidden
-    states [B, M, ...]. Chunks are at most the smallest room any row has left in the cache, so a
-    row far behind (admitted mid-run, or after rounds without drafting) never pushes a row near
-    its capacity past the end. Returns the logits and hidden state after each row's last fed
-    pair (meaningless for rows that fed nothing)."""
+    """Feed each row's todo[b] pending pairs through a drafter layer whose cache is `cache`, in
+    the chunks extend() uses (models.base.chunk_steps): feed(j) runs the layer on pair indices
+    j [B, M] (row b's first fed ones real, the rest padding, written after its length and
+    dropped by the rewind) and returns logits and hidden states [B, M, ...]. Returns the logits
+    and hidden state after each row's last fed pair (meaningless for rows that fed nothing)."""
     B, dev = todo.shape[0], todo.device
     rows = torch.arange(B, device=dev)
-    left = todo.clone()
     out_logits = out_hidden = None
-    while True:
-        done = cache.lengths.clone()
-        room = int((cache.capacity - done).min())
-        M = max(1, min(int(left.max()), room))
-        j = done.view(B, 1) + torch.arange(M, device=dev).view(1, M)
-        logits, hidden = feed(j)
-        fed = left.clamp(min=0, max=M)
+    for done, fed, M in chunk_steps(cache, todo, at_least_once=True):
+        logits, hidden = feed(done.view(B, 1) + torch.arange(M, device=dev).view(1, M))
         cache.rewind(done + fed)
         last = (fed - 1).clamp(min=0)
         lg, hd = logits[rows, last], hidden[rows, last]
@@ -276,6 +269,4 @@ def catch_up(cache, todo: torch.Tensor, feed) -> tuple[torch.Tensor, torch.Tenso
         else:
             got = (fed > 0).view(B, 1)
             out_logits, out_hidden = torch.where(got, lg, out_logits), torch.where(got, hd, out_hidden)
-        left = left - fed
-        if int(left.max()) <= 0:
-            return out_logits, out_hidden
+    return out_logits, out_hidden

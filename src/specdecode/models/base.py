@@ -136,20 +136,32 @@ def extend(
     return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i
 
 
+def chunk_steps(cache: Cache, todo: torch.Tensor, at_least_once: bool = False):
+    """Plan the feeding of todo[b] more positions per row in chunks of at most the smallest room
+    any row has left in the cache, so that a row far behind (admitted mid-run, or after rounds
+    without drafting) never pushes a row near its capacity past the end. Yields (done [B]: each
+    row's length before the chunk, fed [B]: how many of its positions the chunk holds, M: the
+    chunk's width); the caller feeds positions done .. done + M - 1 and leaves each row's cache
+    at done + fed. Used by extend() and by the drafters' catch-up (drafters/base.catch_up)."""
+    left = todo.clone()
+    once = at_least_once
+    while once or int(left.max()) > 0:
+        once = False
+        done = cache.lengths.clone()
+        M = max(1, min(int(left.max()), int((cache.capacity - done).min())))
+        fed = left.clamp(min=0, max=M)
+        yield done, fed, M
+        left = left - fed
+
+
 def _extend_in_chunks(model, cache, tokens, lengths, return_hidden, need_logits, aux_layers):
     """extend() when one forward would write a short row's padding past the cache's end (a
-    row far behind beside a row near its capacity, e.g. one admitted mid-run): feed chunks of
-    at most the smallest room any row has left, and stitch the results together."""
-    B, capacity = tokens.shape[0], cache.capacity
+    row far behind beside a row near its capacity, e.g. one admitted mid-run): feed chunks
+    (chunk_steps) and stitch the results together."""
+    B = tokens.shape[0]
     start = cache.lengths.clone()
     logits_out, parts = None, []
-    while True:
-        at = cache.lengths.clone()
-        left = lengths - at
-        if int(left.max()) <= 0:
-            break
-        step = max(1, min(int(left.max()), int((capacity - at).min())))
-        fed = left.clamp(min=0, max=step)
+    for at, fed, _ in chunk_steps(cache, lengths - start):
         logits, hidden = extend(model, cache, tokens, at + fed, return_hidden, need_logits, aux_layers)
         if logits is not None:
             if logits_out is None:
