@@ -46,7 +46,10 @@ def dirs(tmp_path_factory):
 
 
 def run_cli(argv, capsys):
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors (a bad choice): one line, code 2
+        code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
 

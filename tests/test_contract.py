@@ -36,16 +36,18 @@ def case_id(case: tuple) -> str:
 
 def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGenerator:
     """The generator of one table row: the draft model for draft (and auto with with_draft=True), the
-    trained drafter for eagle, eagle3 and auto (EAGLE-3), random heads for medusa; `sampling` is
-    the tree sampling."""
-    kw = {k: v for k, v in opts.items() if k not in ("with_draft", "sampling")}
+    trained drafter for eagle, eagle3 and auto (EAGLE-3; none with suffix_only), random heads for
+    medusa; `sampling` is the tree sampling."""
+    kw = {k: v for k, v in opts.items() if k not in ("with_draft", "sampling", "suffix_only")}
     kw["tree_sampling"] = opts.get("sampling")
     if kw.get("policy") == "optimal":
         kw["cost_model"] = CHEAP
     if kw.get("policy") == "confidence":
         kw["confidence_threshold"] = 0.5
     use_draft = method == "draft" or opts.get("with_draft", False)
-    if method in ("eagle", "eagle3", "medusa") or (method == "auto" and not use_draft):
+    if method in ("eagle", "eagle3", "medusa") or (
+        method == "auto" and not (use_draft or opts.get("suffix_only"))
+    ):
         kw["heads"] = heads["eagle3" if method == "auto" else method]
     if method in ("suffix", "auto"):
         process_cache(target).clear()  # no earlier request's output to draft from
@@ -64,6 +66,7 @@ GREEDY_CASES = [
     ("suffix", {"k": 3}),
     ("auto", {"k": 3}),
     ("auto", {"k": 3, "with_draft": True}),
+    ("auto", {"k": 3, "suffix_only": True}),
 ]
 
 
@@ -116,7 +119,7 @@ JOINT_CASES = [
     ("suffix", {"k": 3}, [1, 2, 3, 4, 1, 2, 3]),
 ]
 # the negative control per family: the engine that redraws from p after a rejection fails
-NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 2)] + [
+NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [
     c for c in JOINT_CASES if c[0] in ("suffix",) or (c[0] == "eagle3" and c[1] == {"k": 2})
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,5 +1,5 @@
 """EAGLE: a one-layer feature-level drafter trained by train-heads; it reads the target's
-features of committed positions, and keeps the target's greedy tokens and distribution."""
+features of committed positions (greedy identity and distribution: tests/test_contract.py)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
-"""The target's distribution through the whole engine in the dtypes models run in (fp32, bf16,
-not only float64), and at a later position whose rounds cross boundaries (the 6th generated
-token with k = 4); each check with its negative control (the same check, same sample size,
+"""The target's distribution through the whole engine at a later position whose rounds cross
+boundaries (the 6th generated token with k = 4; the two-token joint in fp32 and bf16 is in
+tests/test_contract.py), with its negative control (the same check, same sample size,
 must reject the engine that redraws from p after a rejection)."""
 
 import numpy as np

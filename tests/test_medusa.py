@@ -1,5 +1,5 @@
-"""Medusa heads: trained by train-heads, read the target's features of the right position, and
-keep the target's greedy tokens and sampled distribution, as a chain and as a tree."""
+"""Medusa heads: trained by train-heads, read the target's features of the right position
+(greedy identity and distribution, chain and tree: tests/test_contract.py)."""
 
 import pytest
 import torch

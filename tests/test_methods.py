@@ -1,5 +1,6 @@
-"""Drafting methods (ngram, early-exit) and draft-length policies: each keeps the target's
-greedy tokens and, sampled, the target's distribution through the whole engine."""
+"""Drafting methods (ngram, early-exit) and draft-length policies: their parts (lookup, the
+early-exit cache, per-row policies). Their greedy identity and sampled distribution through the
+engine are rows of tests/test_contract.py."""
 
 import numpy as np
 import pytest
@@ -17,20 +18,12 @@ from specdecode.verify import verify_chain
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(12)]
-COMBOS = [("draft", p) for p in ("heuristic", "confidence", "optimal")] + [
-    (m, p) for m in ("ngram", "early-exit") for p in ("fixed", "heuristic", "confidence", "optimal")
-]
 
 
 @pytest.fixture(scope="module")
 def models(pair_dir):
     target, draft = pair_dir
     return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def target_greedy(models):
-    return [r.token_ids for r in SpeculativeGenerator(models[0]).generate(PROMPTS, GREEDY)]
 
 
 # a cost model under which drafting pays (the measured one says it does not for these tiny pairs,
@@ -48,25 +41,6 @@ def generator(models, method, policy, k=3, **kw):
 
 
 # -- sampling exactness through the engine -------------------------------------------------
-
-RUNS = 60_000
-
-
-@pytest.fixture(scope="module")
-def small_vocab(vocab16_dirs):
-    return tuple(load(p, dtype=torch.float64) for p in vocab16_dirs)
-
-
-@pytest.mark.parametrize(
-    ("method", "policy", "prompt"),
-    [
-        ("ngram", "fixed", [5, 9, 2, 7, 5, 9]),
-        ("early-exit", "fixed", [5, 9, 2]),
-        ("draft", "confidence", [5, 9, 2]),
-        ("draft", "heuristic", [5, 9, 2]),
-        ("draft", "optimal", [5, 9, 2]),
-    ],
-)
 
 
 def test_rows_with_fewer_drafts_are_verified_as_if_they_drafted_only_those():

@@ -1,6 +1,6 @@
 """Suffix decoding and auto: drafts from the longest suffix match in the row's context and in
-earlier requests (a bounded per-process cache); exact at any temperature; auto switches per
-round and per row between the suffix match and the trained EAGLE-3 drafter."""
+earlier requests (a bounded per-process cache); auto switches per round and per row between
+the suffix match and the trained EAGLE-3 drafter (exactness: tests/test_contract.py)."""
 
 
 import numpy as np

@@ -1,5 +1,5 @@
-"""Token trees: shape, exact multi-candidate verification, greedy identity through the engine,
-and the cache after a tree round equal to a fresh prefill of the accepted text."""
+"""Token trees: shape, exact multi-candidate verification, and the cache after a tree round equal
+to a fresh prefill of the accepted text (through the engine: tests/test_contract.py)."""
 
 from dataclasses import replace
 
@@ -63,11 +63,6 @@ def test_tree_verification_keeps_the_target_distribution():
 def models(pair_dir):
     target, draft = pair_dir
     return load(target, dtype=torch.float64), load(draft, dtype=torch.float64)
-
-
-@pytest.mark.parametrize(
-    "spec", ["1,1,1", "3,2", "4,2,1", "[[0], [1], [0, 0], [1, 0], [0, 0, 0]]", "4,2,1/without-replacement"]
-)
 
 
 def test_cache_after_keeping_a_tree_path_equals_a_fresh_prefill(models):

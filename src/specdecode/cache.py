@@ -102,18 +102,22 @@ class KVCache:
 
     def keep_path(self, base: torch.Tensor, paths: list[list[int]]) -> None:
         """After a tree forward written from slot base[b]: move the accepted nodes' entries
-        (slots base[b] + paths[b][i]) to base[b] + 1 + i, right after the root."""
-        for b, path in enumerate(paths):
-            if not path:
-                continue
-            src = int(base[b]) + torch.tensor(path, device=self.k.device)
-            dst = int(base[b]) + 1 + torch.arange(len(path), device=self.k.device)
-            self.k[:, b, :, dst] = self.k[:, b, :, src].clone()
-            if self.invariant:  # as [layers, B, kv_heads, chunks, KEY_CHUNK, D]: slot = (chunk, offset)
-                v, C = self.v.permute(0, 2, 3, 1, 4, 5), KEY_CHUNK
-                v[:, b, :, dst // C, dst % C] = v[:, b, :, src // C, src % C].clone()
-            else:
-                self.v[:, b, :, dst] = self.v[:, b, :, src].clone()
+        (slots base[b] + paths[b][i]) to base[b] + 1 + i, right after the root (every row at
+        once: the sources are gathered before any is overwritten)."""
+        rows = [b for b, path in enumerate(paths) for _ in path]
+        if not rows:
+            return
+        dev = self.k.device
+        b_idx = torch.tensor(rows, device=dev)
+        starts = base.to(dev)[b_idx]
+        src = starts + torch.tensor([i for path in paths for i in path], device=dev)
+        dst = starts + 1 + torch.tensor([i for path in paths for i in range(len(path))], device=dev)
+        self.k[:, b_idx, :, dst] = self.k[:, b_idx, :, src].clone()
+        if self.invariant:  # as [layers, B, kv_heads, chunks, KEY_CHUNK, D]: slot = (chunk, offset)
+            v, C = self.v.permute(0, 2, 3, 1, 4, 5), KEY_CHUNK
+            v[:, b_idx, :, dst // C, dst % C] = v[:, b_idx, :, src // C, src % C].clone()
+        else:
+            self.v[:, b_idx, :, dst] = self.v[:, b_idx, :, src].clone()
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (retire the others); one copy, made when rows finish."""

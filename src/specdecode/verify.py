@@ -207,15 +207,13 @@ def _verify_tree_round(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng
         tree.sampling == "without-replacement",
     )
     accepted = torch.tensor([len(p) for p in tv.path], device=dev)
-    tokens = torch.zeros(B, D + 1, dtype=torch.long)
-    target_prob = torch.ones(B, D, dtype=torch.float64)
-    src = (probs if probs is not None else torch.softmax(logits.double(), -1)).cpu()
-    for b in range(B):
-        tokens[b, : len(tv.tokens[b])] = torch.tensor(tv.tokens[b])
-        parents = [0] + tv.path[b]
-        for j in range(len(tv.path[b])):  # p of each accepted node's token at its parent
-            target_prob[b, j] = float(src[b, parents[j], tokens[b, j]])
-    tokens, target_prob = tokens.to(dev), target_prob.to(dev)
+    tokens = torch.tensor([t + [0] * (D + 1 - len(t)) for t in tv.tokens], dtype=torch.long, device=dev)
+    # p of each accepted node's token at its parent (the root, then the path's nodes)
+    parents = torch.tensor([([0] + p + [0] * D)[:D] for p in tv.path], device=dev)
+    src = probs if probs is not None else torch.softmax(logits.double(), -1)
+    at = src[torch.arange(B, device=dev).view(B, 1), parents, tokens[:, :D]].to(torch.float64)
+    kept = torch.arange(D, device=dev).view(1, D) < accepted.view(B, 1)
+    target_prob = torch.where(kept, at, torch.ones_like(at))
     n_drafts = (accepted + (~torch.tensor(tv.bonus, device=dev)).long()).clamp(max=D)
     mask = torch.arange(D, device=dev).view(1, D) < accepted.view(B, 1)
     ones = torch.ones(B, D, dtype=torch.float64, device=dev)
