@@ -6,7 +6,9 @@ and smollm2-135m in bf16 with --batch-invariant; the token ids of every row go t
     python benchmarks/parity.py --compare before.json      # on the new one: 0 differences or exit 1
 
 A refactor that claims "no behaviour change" must give the same greedy tokens and the same
-seeded samples."""
+seeded samples. benchmarks/parity-cb38cc3.json holds the rows of commit cb38cc3 (before issue 25)
+on this project's 2-core AVX2 machine; bf16 rows may differ on a CPU with other kernels (AVX-512
+BF16), so write a fresh baseline there from the old commit."""
 
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,14 @@ from transformers.utils import logging as hf_logging
 from helpers import tiny_pair
 
 hf_logging.disable_progress_bar()
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest workers on this 2-core machine: one torch thread each (and in
+    # the CLI subprocesses they start), or the workers' OpenMP threads spin against each other
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")

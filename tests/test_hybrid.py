@@ -120,11 +120,11 @@ def test_recompute_keeps_at_most_one_kth_of_the_snapshots_memory(hybrid):
 @pytest.fixture(scope="module")
 def hybrid_eagle3(hybrid_dirs, tmp_path_factory) -> Path:
     """An EAGLE-3 drafter distilled from the hybrid target (our runtime) and trained briefly."""
-    from test_eagle3 import make_drafter
+    from helpers import train_tiny_eagle3
 
     root = tmp_path_factory.mktemp("hybrid-eagle3")
     prompts = [[(5 * i + j) % 64 for j in range(3 + i % 4)] for i in range(16)]
-    return make_drafter(hybrid_dirs[0], root, prompts, draft_vocab=48, tokens=16)[1]
+    return train_tiny_eagle3(hybrid_dirs[0], root, prompts, draft_vocab=48, tokens=16)[1]
 
 
 def generators(hybrid, eagle: Path, eagle3: Path, rollback: str) -> dict:

@@ -111,6 +111,7 @@ def replace_seed(params: SamplingParams, offset: int) -> SamplingParams:
     return replace(params, seed=params.seed + offset)
 
 
+@pytest.mark.slow
 def test_smollm2_ngram_two_token_distribution_is_the_targets_at_t1(smol):
     samples, p, rate = _ngram_pairs(smol)
     ok, msg = check_distribution(samples, p)
@@ -118,6 +119,7 @@ def test_smollm2_ngram_two_token_distribution_is_the_targets_at_t1(smol):
     assert 0.2 < rate < 0.99, rate  # drafts were tested, and some rejected
 
 
+@pytest.mark.slow
 def test_smollm2_ngram_two_token_check_catches_resampling_from_p(smol, monkeypatch):
     resample_from_p_after_rejection(monkeypatch)
     samples, p, _ = _ngram_pairs(smol)
@@ -125,6 +127,7 @@ def test_smollm2_ngram_two_token_check_catches_resampling_from_p(smol, monkeypat
     assert not ok, msg
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_ngram_greedy_equals_target_only_alone_and_batched():
     """Batch invariance on the real model (issue 17): without it, 4 of 6 quick Spec-Bench prompts
     leave target-only within 128 tokens in bf16 (benchmarks/smollm2/invariance)."""
@@ -149,7 +152,7 @@ def test_smollm2_bf16_ngram_greedy_equals_target_only_alone_and_batched():
     not (Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "eagle3" / "config.json").exists(),
     reason="no bundled EAGLE-3 drafter for smollm2-135m in this checkout",
 )
-@pytest.mark.parametrize("method", ["eagle3", "auto"])
+@pytest.mark.parametrize("method", ["eagle3", pytest.param("auto", marks=pytest.mark.slow)])
 def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant(method):
     """The bundled drafter is found by the target's name, drafts (some tokens accepted) and keeps
     the target's greedy tokens: bf16 with --batch-invariant, alone and in a batch."""
@@ -168,6 +171,7 @@ def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant
     assert [r.token_ids for r in gen.generate(chats, params)] == want
 
 
+@pytest.mark.slow
 def test_chat_demo_runs_every_method_on_smollm2(capsys):
     import json
 
