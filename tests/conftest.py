@@ -40,28 +40,22 @@ def trained64(pair_dir, tmp_path_factory) -> dict:
     """Drafters trained briefly for the vocab-64 pair's target (each once per session): EAGLE by
     train-heads on a small corpus, EAGLE-3 by distill-data + train-heads over 48 of 64 tokens
     (its `eagle3_data` too)."""
-    from helpers import train_tiny_eagle3
-    from specdecode.train.heads import train_eagle
+    from helpers import train_tiny_eagle, train_tiny_eagle3
 
     root = tmp_path_factory.mktemp("trained64")
-    text = root / "c.txt"
-    text.write_text("".join(f"the cat sat on the mat {i}.\n" for i in range(3000)))
-    train_eagle(pair_dir[0], text, root / "eagle", steps=3, batch_size=4, seq_len=32, progress=False)
+    eagle = train_tiny_eagle(pair_dir[0], root, [f"the cat sat on the mat {i}." for i in range(3000)], 32)
     prompts = [[(3 * i + j * j) % 64 for j in range(2 + i % 7)] for i in range(12)]
     data, eagle3 = train_tiny_eagle3(pair_dir[0], root, prompts, draft_vocab=48)
-    return {"eagle": root / "eagle", "eagle3": eagle3, "eagle3_data": data}
+    return {"eagle": eagle, "eagle3": eagle3, "eagle3_data": data}
 
 
 @pytest.fixture(scope="session")
 def trained16(vocab16_dirs, tmp_path_factory) -> dict:
     """The same for the vocab-16 distribution-test target (EAGLE-3 over 12 of its 16 tokens)."""
-    from helpers import train_tiny_eagle3
-    from specdecode.train.heads import train_eagle
+    from helpers import train_tiny_eagle, train_tiny_eagle3
 
     root = tmp_path_factory.mktemp("trained16")
-    text = root / "c.txt"
-    text.write_text("".join(f"ab{i % 7}c\n" for i in range(20000)))
-    train_eagle(vocab16_dirs[0], text, root / "eagle", steps=3, batch_size=4, seq_len=16, progress=False)
+    eagle = train_tiny_eagle(vocab16_dirs[0], root, [f"ab{i % 7}c" for i in range(20000)], 16)
     prompts = [[(5 * i + j) % 16 for j in range(3 + i % 4)] for i in range(16)]
     _, eagle3 = train_tiny_eagle3(vocab16_dirs[0], root, prompts, draft_vocab=12, tokens=16)
-    return {"eagle": root / "eagle", "eagle3": eagle3}
+    return {"eagle": eagle, "eagle3": eagle3}

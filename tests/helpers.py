@@ -376,3 +376,14 @@ def train_tiny_eagle3(target_dir, root, prompts, draft_vocab, tokens=24):
         progress=False,
     )
     return data, root / "e3"
+
+
+def train_tiny_eagle(target_dir, out, lines: list[str], seq_len: int):
+    """A briefly trained EAGLE drafter (train-heads, 3 steps) on a corpus of these lines."""
+    from specdecode.train.heads import train_eagle
+
+    out.mkdir(parents=True, exist_ok=True)
+    text = out / "corpus.txt"
+    text.write_text("".join(line + "\n" for line in lines))
+    train_eagle(target_dir, text, out / "eagle", steps=3, batch_size=4, seq_len=seq_len, progress=False)
+    return out / "eagle"

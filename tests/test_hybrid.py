@@ -45,13 +45,10 @@ def hybrid(hybrid_dirs):
 @pytest.fixture(scope="module")
 def hybrid_eagle(hybrid_dirs, tmp_path_factory) -> Path:
     """An EAGLE drafter trained (briefly) on the hybrid target's features by train-heads."""
-    from specdecode.train.heads import train_eagle
+    from helpers import train_tiny_eagle
 
-    root = tmp_path_factory.mktemp("hybrid-eagle")
-    text = root / "c.txt"
-    text.write_text("".join(f"the cat sat on the mat {i}.\n" for i in range(2000)))
-    train_eagle(hybrid_dirs[0], text, root / "e", steps=3, batch_size=4, seq_len=32, progress=False)
-    return root / "e"
+    lines = [f"the cat sat on the mat {i}." for i in range(2000)]
+    return train_tiny_eagle(hybrid_dirs[0], tmp_path_factory.mktemp("hybrid-eagle"), lines, 32)
 
 
 def test_runtime_logits_equal_the_training_module_and_decoding_step_by_step(hybrid_dirs, hybrid):
