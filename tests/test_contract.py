@@ -51,6 +51,8 @@ def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGen
         kw["heads"] = heads["eagle3" if method == "auto" else method]
     if method in ("suffix", "auto"):
         process_cache(target).clear()  # no earlier request's output to draft from
+    if use_draft and "draft_dtype" in opts:  # a quantized draft is quantized in place: a copy
+        draft = load(draft.path, dtype=draft.dtype)
     return SpeculativeGenerator(target, draft=draft if use_draft else None, method=method, **kw)
 
 
@@ -67,6 +69,12 @@ GREEDY_CASES = [
     ("auto", {"k": 3}),
     ("auto", {"k": 3, "with_draft": True}),
     ("auto", {"k": 3, "suffix_only": True}),
+    # a quantized drafter (weight-only int4 / int8): cheaper drafts, the same tokens
+    *[("draft", {"k": 3, "draft_dtype": d}) for d in ("int4", "int8", "int4-g128")],
+    ("draft", {"tree": "3,2", "draft_dtype": "int4"}),
+    *[(m, {"k": 3, "draft_dtype": "int4"}) for m in ("medusa", "eagle", "eagle3")],
+    ("eagle3", {"tree": "2,2", "draft_dtype": "int8"}),
+    ("auto", {"k": 3, "with_draft": True, "draft_dtype": "int4"}),
 ]
 
 
@@ -117,10 +125,14 @@ JOINT_CASES = [
     ("eagle3", {"tree": "2,2"}, PROMPT),
     ("eagle3", {"tree": "2,2", "sampling": "with-replacement"}, PROMPT),
     ("suffix", {"k": 3}, [1, 2, 3, 4, 1, 2, 3]),
+    ("draft", {"k": 2, "draft_dtype": "int4"}, PROMPT),
+    ("eagle3", {"tree": "2,2", "draft_dtype": "int4"}, PROMPT),
 ]
 # the negative control per family: the engine that redraws from p after a rejection fails
 NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [
-    c for c in JOINT_CASES if c[0] in ("suffix",) or (c[0] == "eagle3" and c[1] == {"k": 2})
+    c
+    for c in JOINT_CASES
+    if c[0] == "suffix" or (c[0] == "eagle3" and c[1] == {"k": 2}) or c[1] == {"k": 2, "draft_dtype": "int4"}
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -10,6 +10,8 @@ from .errors import SpecDecodeError
 from .tree import TREE_SAMPLING, TokenTree
 
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
+# a drafter's own weights: float as loaded, or weight-only quantized at build (models/quant.py)
+DRAFT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "int4-g128")
 
 
 def adaptive_max_k(k: int, max_k: int | None) -> int:
@@ -38,7 +40,11 @@ class SpecConfig:
     undone: snapshot (default: the state after every verified position) or recompute (the
     positions' inputs, replayed from the state before the round; models/linear_attention.py).
     load_costs: a LoadCosts (or its JSON file): wrap the policy in LoadAwarePolicy, which caps
-    the draft length by the running batch size's measured round costs (the server's default)."""
+    the draft length by the running batch size's measured round costs (the server's default).
+    draft_dtype: how the drafter's own weights run (draft model, EAGLE / EAGLE-3 layer, Medusa
+    heads): int8, int4 or int4-g128 quantizes them at build (in place: a draft model passed in
+    is quantized itself); fp32 / bf16 / fp16 only checks that they were loaded so. A draft's
+    precision never changes the output, only its cost and its acceptance."""
 
     method: str | None = None
     k: int = 4
@@ -56,6 +62,7 @@ class SpecConfig:
     batch_invariant: bool | None = None
     suffix_max: int = 16
     load_costs: Any = None
+    draft_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):
@@ -72,6 +79,13 @@ class SpecConfig:
             )
         if not isinstance(self.suffix_max, int) or self.suffix_max < 1:
             raise SpecDecodeError(f"suffix_max must be an integer >= 1, got {self.suffix_max!r}")
+        if self.draft_dtype is not None:
+            if self.draft_dtype not in DRAFT_DTYPES:
+                raise SpecDecodeError(
+                    f"draft_dtype {self.draft_dtype!r} is not one of {', '.join(DRAFT_DTYPES)}"
+                )
+            if self.method is None:
+                raise SpecDecodeError("draft_dtype needs a drafting method; target-only decoding drafts none")
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
         if self.rollback is not None and self.rollback not in ("snapshot", "recompute"):

@@ -12,11 +12,16 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import POLICIES, SpecConfig
+from .config import DRAFT_DTYPES, POLICIES, SpecConfig
 from .errors import SpecDecodeError
 from .tree import TREE_SAMPLING
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
+# a model's weights: a float dtype, weight-only quantized at load (int8 per output row, int4 in
+# groups of 32 or 128; activations bf16), or a GGUF's own quantization kept (q4_k, q8_0)
+QUANTIZED = ("int8", "int4", "int4-g128")
+GGUF_FORMATS = ("q4_k", "q8_0")
+WEIGHT_FORMATS = (*DTYPES, *QUANTIZED, *GGUF_FORMATS)
 
 
 def torch_dtype(name: str):
@@ -26,6 +31,24 @@ def torch_dtype(name: str):
     if name not in DTYPES:
         raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return getattr(torch, DTYPES[name])
+
+
+DTYPE_HELP = (
+    "the target's weights: fp32 (default), bf16, fp16; int8 / int4 / int4-g128 quantized at load "
+    "(weight-only: int8 per output row, 4-bit in groups of 32 / 128; bf16 activations); q4_k / q8_0 "
+    "keep an installed GGUF's own quantized blocks. Exactness holds relative to the target as it runs"
+)
+
+
+def weight_format(name: str):
+    """(torch dtype of the activations, quantization or None) of a --dtype value."""
+    import torch
+
+    if name in DTYPES:
+        return getattr(torch, DTYPES[name]), None
+    if name in (*QUANTIZED, *GGUF_FORMATS):
+        return torch.bfloat16, name  # the quantized kernels' fast activation type (models/quant.py)
+    raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +120,14 @@ OPTIONS: tuple[Option, ...] = (
         "snapshot per verified position (default) or by replaying the kept positions' inputs from the "
         "state before the round (less memory, a replay per round)",
         choices=("snapshot", "recompute"),
+    ),
+    Option(
+        "draft_dtype",
+        "how the drafter's own weights run (draft model, EAGLE/EAGLE-3 layer, Medusa heads): fp32, bf16, "
+        "fp16, or weight-only quantized int8 / int4 / int4-g128 (4-bit in groups of 32 / 128). Never "
+        "changes the output (the target verifies every token), only the draft's cost and acceptance "
+        "(default: as loaded, the target's dtype)",
+        choices=DRAFT_DTYPES,
     ),
 )
 BY_FIELD = {o.field: o for o in OPTIONS}

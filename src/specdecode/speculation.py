@@ -16,6 +16,7 @@ from .drafters import Drafter, make_drafter
 from .drafters.base import NOTHING, TargetNeeds
 from .errors import SpecDecodeError
 from .models.base import PLAIN, CausalLM, ForwardMeta
+from .models.quant import QUANT_KINDS
 from .models.tokenizer import is_messages
 from .sampling import SamplingParams
 from .tree import TokenTree
@@ -71,9 +72,27 @@ class Speculation:
         return ForwardMeta(positions=positions, tree_mask=mask, return_hidden=hidden, aux_layers=aux)
 
 
+def _set_draft_dtype(drafter: Drafter, dtype: str) -> None:
+    """Quantize the drafter's own weights, or check that they were loaded in a float `dtype`."""
+    have = drafter.weights_dtype
+    if have == dtype:
+        return
+    if dtype in QUANT_KINDS:
+        drafter.quantize(dtype)
+    elif have is None:
+        drafter.quantize(dtype)  # the one-line "no draft weights of its own" error
+    else:
+        raise SpecDecodeError(
+            f"the {drafter.name} drafter's weights are {have}, not {dtype}: load the draft model in {dtype} "
+            "(heads run in the target's dtype), or quantize it (int8, int4)"
+        )
+
+
 def build(target: CausalLM, draft: CausalLM | None, config: SpecConfig) -> Speculation:
     """Every check, once, with its one-line error; the frozen Speculation to run."""
     drafter = make_drafter(target, draft, config)
+    if drafter is not None and config.draft_dtype is not None:
+        _set_draft_dtype(drafter, config.draft_dtype)
     tree = config.tree if drafter is not None else None
     layout = None
     if tree is not None:

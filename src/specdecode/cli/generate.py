@@ -9,7 +9,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..options import DTYPES, add_spec_flags, heads_dir, method_heads, spec_config, torch_dtype
+from ..options import (
+    DTYPE_HELP,
+    DTYPES,
+    WEIGHT_FORMATS,
+    add_spec_flags,
+    heads_dir,
+    method_heads,
+    spec_config,
+    weight_format,
+)
 
 __all__ = ["DTYPES", "heads_dir", "method_heads", "register"]  # the last three moved to ..options
 
@@ -54,13 +63,7 @@ def register(sub) -> None:
         "write FILE (so the next run with the same --seed picks the same k)",
     )
     g.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    g.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weight type (default fp32)")
-    g.add_argument(
-        "--draft-dtype",
-        choices=tuple(DTYPES),
-        help="the draft model's weight type (default --dtype): its precision never changes the output "
-        "(the target verifies every token), only its cost",
-    )
+    g.add_argument("--dtype", default="fp32", choices=WEIGHT_FORMATS, help=DTYPE_HELP)
     g.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -110,18 +113,18 @@ def _generate(args: argparse.Namespace) -> int:
     from ..drafters.early_exit import UntrainedExitWarning
 
     warnings.simplefilter("ignore", UntrainedExitWarning)  # printed below, with the measured acceptance
-    device, dtype = resolve_device(args.device), torch_dtype(args.dtype)
-    draft_dtype = torch_dtype(args.draft_dtype) if args.draft_dtype else dtype
-    if args.draft_dtype and not args.draft:
-        raise SpecDecodeError("--draft-dtype needs --draft MODEL")
+    device, (dtype, quant) = resolve_device(args.device), weight_format(args.dtype)
+    draft_dtype, draft_quant = weight_format(args.draft_dtype) if args.draft_dtype else (dtype, None)
     resolve(args.target, dtype)
     if args.draft:
         resolve(args.draft, draft_dtype)
     cost_model = None
     if args.cost_model and Path(args.cost_model).exists():
         cost_model = CostModel.load(args.cost_model)
-    target = load(args.target, backend=args.backend, dtype=dtype, device=device)
-    draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device) if args.draft else None
+    target = load(args.target, backend=args.backend, dtype=dtype, device=device, quant=quant)
+    draft = None
+    if args.draft:
+        draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device, quant=draft_quant)
     heads = method_heads(args.target, args.method, args.heads, draft=args.draft)
     config = replace(config, heads=heads, cost_model=cost_model, batch_invariant=args.batch_invariant or None)
     gen = SpeculativeGenerator(target, draft=draft, config=config)

@@ -59,6 +59,14 @@ class TargetNeeds:
 NOTHING = TargetNeeds()
 
 
+def weights_dtype_of(model) -> str:
+    """A lean model's weight format: its quantization, else its float dtype's short name."""
+    if getattr(model, "quant", None):
+        return model.quant
+    names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names[model.dtype]
+
+
 class Drafter:
     """Proposes draft tokens; never decides acceptance.
 
@@ -81,6 +89,21 @@ class Drafter:
     def target_needs(self) -> TargetNeeds:
         """What the engine must return from each target forward for observe()."""
         return TargetNeeds(hidden=True) if self.requires_hidden else NOTHING
+
+    @property
+    def weights_dtype(self) -> str | None:
+        """How this drafter's own weights are stored (fp32, bf16, fp16, int8, int4, int4-g128),
+        None when it has none (n-gram, suffix) or shares the target's (early exit)."""
+        return None
+
+    def quantize(self, kind: str) -> None:
+        """Run this drafter's own weights through `kind` (int8, int4, int4-g128) weight-only
+        kernels, in place. A draft's precision never changes the output (the target verifies
+        every token), only its cost and how often it is right."""
+        raise SpecDecodeError(
+            f"method {self.name!r} has no draft weights of its own; a draft dtype applies to "
+            "draft, eagle, eagle3, medusa and auto with one of them"
+        )
 
     @classmethod
     def create(cls, target: CausalLM, draft: CausalLM | None, config: SpecConfig) -> Drafter:

@@ -10,7 +10,7 @@ from ..errors import SpecDecodeError
 from ..models.base import Cache, CausalLM, ForwardMeta, extend
 from ..tree import TokenTree
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, TreeDraw
+from .base import DraftChain, DraftContext, Drafter, TreeDraw, weights_dtype_of
 
 
 @dataclass
@@ -36,6 +36,16 @@ class DraftModelDrafter(Drafter):
                 f"the draft is on {draft.device} and the target on {target.device}; load both on one device"
             )
         self.model = draft
+
+    @property
+    def weights_dtype(self) -> str | None:
+        return weights_dtype_of(self.model) if self.model.lean else None
+
+    def quantize(self, kind: str) -> None:
+        """Quantizes the draft model itself, in place."""
+        if not self.model.lean:
+            raise SpecDecodeError("a quantized draft model needs our lean runtime; load it with backend=lean")
+        self.model.quantize(kind)
 
     @classmethod
     def create(cls, target, draft, config) -> DraftModelDrafter:

@@ -23,8 +23,18 @@ import torch.nn.functional as F
 from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
+from ..models.quant import quantized_linear
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, TreeDraw, catch_up, pad_positions, require_lean
+from .base import (
+    DraftChain,
+    DraftContext,
+    Drafter,
+    TreeDraw,
+    catch_up,
+    pad_positions,
+    require_lean,
+    weights_dtype_of,
+)
 
 KIND = "specdecode-eagle"
 
@@ -80,6 +90,18 @@ class FeatureDrafter(Drafter):
     def step(self, tokens: torch.Tensor, feats: torch.Tensor, cache: Cache, **meta) -> tuple:
         """The layer over pairs (feats [B, T, d] of positions j, tokens [B, T] at j + 1):
         (logits over the target vocabulary [B, T, V], the next features [B, T, d])."""
+        raise NotImplementedError
+
+    @property
+    def weights_dtype(self) -> str | None:
+        return weights_dtype_of(self.layer)
+
+    def quantize(self, kind: str) -> None:
+        """The layer's projections, its head and the feature projection fc, in place."""
+        self.layer.quantize(kind)
+        self.quantize_fc(kind)
+
+    def quantize_fc(self, kind: str) -> None:
         raise NotImplementedError
 
     def start(self, ctx: DraftContext, target_cache) -> EagleState:
@@ -181,6 +203,7 @@ class EagleDrafter(FeatureDrafter):
         require_lean(target, self.name)
         self.target = target
         self.layer, self.fc_w, self.fc_b, self.meta = load_eagle(eagle, target)
+        self.fc = None  # a quantized fc (quantize()); else F.linear over fc_w, fc_b
         self.feature_size = target.cfg.hidden_size
 
     @classmethod
@@ -191,7 +214,13 @@ class EagleDrafter(FeatureDrafter):
 
     def _fuse(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
-        return F.linear(torch.cat([F.embedding(tokens, self.target.embed), feats], -1), self.fc_w, self.fc_b)
+        x = torch.cat([F.embedding(tokens, self.target.embed), feats], -1)
+        if self.fc is not None:
+            return self.fc(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return F.linear(x, self.fc_w, self.fc_b)
+
+    def quantize_fc(self, kind: str) -> None:
+        self.fc = quantized_linear([self.fc_w], self.fc_b, kind)
 
     def step(self, tokens, feats, cache, **meta):
         fused = self._fuse(tokens, feats)

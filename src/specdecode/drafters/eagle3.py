@@ -29,6 +29,7 @@ from ..errors import SpecDecodeError
 from ..models.base import ForwardMeta
 from ..models.linear import Linear
 from ..models.llama import LlamaConfig, LlamaModel
+from ..models.quant import quantized_linear
 from .base import TargetNeeds, require_lean
 from .eagle import FeatureDrafter
 
@@ -136,6 +137,9 @@ class Eagle3Drafter(FeatureDrafter):
 
     def target_needs(self) -> TargetNeeds:
         return TargetNeeds(hidden=True, aux_layers=self.aux_layers)
+
+    def quantize_fc(self, kind: str) -> None:
+        self.fc = quantized_linear([self.fc.weight_matrix()], self.fc.bias, kind)
 
     def feature(self, hidden: torch.Tensor) -> torch.Tensor:
         B, T, _ = hidden.shape

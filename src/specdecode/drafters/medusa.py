@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
+from ..models.quant import quantized_linear
 from ..tree import TokenTree
 from ..verify import Proposal
-from .base import DraftChain, DraftContext, Drafter, TreeDraw, require_lean
+from .base import DraftChain, DraftContext, Drafter, TreeDraw, require_lean, weights_dtype_of
 
 KIND = "specdecode-medusa-heads"
 
@@ -42,7 +43,13 @@ class MedusaHeads:
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> [..., h, d]: every head's residual block."""
         x = hidden.unsqueeze(-2)  # [..., 1, d]
+        if self.quantized is not None:  # one weight-only quantized product per head
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            blocks = torch.stack([head(flat) for head in self.quantized], -2)
+            return x + F.silu(blocks.view(*hidden.shape[:-1], self.num_heads, -1))
         return x + F.silu(torch.einsum("...d,hed->...he", hidden, self.weight) + self.bias)
+
+    quantized: list | None = None  # per-head QuantLinears (MedusaDrafter.quantize)
 
     def save(self, out: Path, meta: dict) -> None:
         from safetensors.torch import save_file
@@ -113,8 +120,25 @@ class MedusaDrafter(Drafter):
         state.hidden = torch.where((count > 0).view(-1, 1), hidden[rows, last], state.hidden)
         state.known = state.known | (count > 0)
 
+    @property
+    def weights_dtype(self) -> str | None:
+        return self.kind or weights_dtype_of(self.target)
+
+    kind: str | None = None
+    head = None  # a quantized copy of the target's LM head (quantize())
+
+    def quantize(self, kind: str) -> None:
+        """The heads' blocks and the LM head they read (a quantized copy: the target keeps its own)."""
+        w, b = self.heads.weight, self.heads.bias
+        self.heads.quantized = [quantized_linear([w[i]], b[i], kind) for i in range(self.heads.num_heads)]
+        self.head = quantized_linear([self.target.lm_head], None, kind)
+        self.kind = kind
+
     def _logits(self, state: MedusaState) -> torch.Tensor:
-        return F.linear(self.heads.features(state.hidden), self.target.lm_head)  # [B, h, V]
+        feats = self.heads.features(state.hidden)  # [B, h, d]
+        if self.head is not None:
+            return self.head(feats.reshape(-1, feats.shape[-1])).view(*feats.shape[:-1], -1)
+        return F.linear(feats, self.target.lm_head)  # [B, h, V]
 
     @torch.inference_mode()
     def propose(

@@ -246,6 +246,15 @@ class AutoDrafter(Drafter):
     def target_needs(self) -> TargetNeeds:
         return self.inner.target_needs() if self.inner is not None else NOTHING
 
+    @property
+    def weights_dtype(self) -> str | None:
+        return self.inner.weights_dtype if self.inner is not None else None
+
+    def quantize(self, kind: str) -> None:
+        if self.inner is None:
+            super().quantize(kind)
+        self.inner.quantize(kind)
+
     def start(self, ctx, target_cache):
         inner = self.inner.start(ctx, target_cache) if self.inner is not None else None
         return (self.suffix.start(ctx, target_cache), inner)

@@ -13,8 +13,11 @@ from ..errors import SpecDecodeError
 from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
 from .llama import LlamaConfig, LlamaModel, return_freed_memory
+from .quant import QUANT_KINDS
 from .tokenizer import TextTokenizer
 from .zoo import ZOO, ChunkedZooModel, ZooModel, cache_dir
+
+GGUF_QUANTS = ("q4_k", "q8_0")
 
 BUNDLED = (
     "three-kingdoms/target",
@@ -134,18 +137,49 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _gguf_qweights(name: str, fmt: str):
+    """(the GGUF's quantized projections by our weight names, the kind the rest are quantized to)."""
+    from .gguf_quant import read_qweights
+
+    if name not in ZOO:
+        raise SpecDecodeError(
+            f"--dtype {fmt} keeps an installed GGUF's own quantization: use a zoo model "
+            f"({', '.join(ZOO)}), or int4 / int8 to quantize {name}"
+        )
+    try:
+        gguf = ZOO[name].gguf_path()
+    except SpecDecodeError as e:
+        raise SpecDecodeError(f"model {name!r}: {e}") from None
+    return read_qweights(gguf, fmt)
+
+
 def load(
     name_or_path: str | os.PathLike,
     *,
     backend: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    quant: str | None = None,
 ):
     """Load a model: our lean runtime for Llama, Qwen2 and Qwen3 checkpoints ('lean'),
     transformers otherwise ('hf'),
-    its weights on `device` (cpu, cuda, cuda:N). Reads local files only; nothing is downloaded."""
+    its weights on `device` (cpu, cuda, cuda:N). Reads local files only; nothing is downloaded.
+    quant: int8, int4 or int4-g128 quantizes every projection and the LM head at load
+    (weight-only, models/quant.py; `dtype` is then the activations' type, bf16 is fastest);
+    q4_k or q8_0 keeps the installed GGUF's own quantized blocks (zoo models, models/gguf_quant.py)."""
     dev = resolve_device(device)
-    path = resolve(name_or_path, dtype)
+    qweights = None
+    if quant is not None:
+        known = (*QUANT_KINDS, *GGUF_QUANTS)
+        if quant not in known:
+            raise SpecDecodeError(f"unknown weight format {quant!r}; choose one of {', '.join(known)}")
+        if backend == "hf":
+            raise SpecDecodeError(f"{quant} weights run on our lean runtime only; drop backend='hf'")
+        backend = "lean"
+    path = resolve(name_or_path, dtype if quant is None else torch.bfloat16)
+    fmt = quant
+    if quant in GGUF_QUANTS:
+        qweights, quant = _gguf_qweights(str(name_or_path), quant)
     try:
         cfg = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -162,7 +196,7 @@ def load(
             use_lean = False
     if use_lean:
         try:
-            model = LlamaModel.from_dir(path, dtype, dev)
+            model = LlamaModel.from_dir(path, dtype, dev, quant, qweights)
         except KeyError as e:
             raise SpecDecodeError(f"{path}: weight {e} is missing; is this a Llama checkpoint?") from None
         except NotImplementedError as e:
@@ -173,6 +207,8 @@ def load(
         model = HFModel.from_dir(path, dtype, dev)
     model.name = str(name_or_path)
     model.path = path
+    if fmt is not None:
+        model.quant = fmt
     model.tokenizer = TextTokenizer.from_dir(path)
     # the model's EOS, and the chat template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
     eos = _eos_ids(path, cfg)

@@ -128,6 +128,21 @@ class Linear:
         out = self._product(x)
         return out if residual is None else out.add_(residual)
 
+    def weight_matrix(self) -> torch.Tensor:
+        """The [out, in] weight as given (to quantize a loaded model). A packed weight has no
+        plain view: it is read back through the product with the identity, a block at a time."""
+        if self.layout == "mm":
+            return self.weight.t()
+        if self.layout != "packed":
+            return self.weight
+        cols = []
+        for start in range(0, self.in_features, 1024):
+            n = min(1024, self.in_features - start)
+            eye = torch.zeros(n, self.in_features, dtype=self.dtype, device=self.weight.device)
+            eye[:, start : start + n].fill_diagonal_(1)
+            cols.append(torch.ops.mkldnn._linear_pointwise(eye, self.weight, None, "none", [], ""))
+        return torch.cat(cols).t()
+
     def _upcast_product(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows (a prefill) through an unpacked bf16/fp16 weight on a CPU without native
         bf16 GEMM: in float32, where the product is fast (the 0.5B draft's 80-token prefill:

@@ -24,6 +24,7 @@ from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
 from .forward_plan import ForwardPlan, plan_forward
 from .linear import Linear
+from .quant import QUANT_KINDS, QWeight, linear_nbytes, quantized_linear
 from .tokenizer import TextTokenizer
 
 # the config.json model types this runtime runs (others go to the transformers adapter)
@@ -216,11 +217,21 @@ class LlamaModel:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        quant: str | None = None,
+        qweights: Mapping[str, QWeight] | None = None,
     ) -> None:
+        """quant: int8, int4 or int4-g128 to run every projection and the LM head through
+        weight-only quantized kernels (models/quant.py), quantized from `weights` at load;
+        `dtype` stays the activations' type. qweights: projections already quantized (a GGUF's
+        own blocks, models/gguf_quant.py), used as they are instead of their float weights."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.vocab_size = cfg.vocab_size
+        self.quant = quant
+        qweights = qweights or {}
+        if quant is not None and quant not in QUANT_KINDS:
+            raise SpecDecodeError(f"unknown weight format {quant!r}; choose one of {', '.join(QUANT_KINDS)}")
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device, dtype)
@@ -235,10 +246,24 @@ class LlamaModel:
             parts = [opt(n) for n in names]
             return torch.cat(parts) if all(p is not None for p in parts) else None
 
+        def lin(names: list[str], bias: torch.Tensor | None = None):
+            """One projection stacking the named [out, in] weights."""
+            if quant is None:
+                return Linear(cat(names), bias)
+            f32 = torch.float32
+            parts = [qweights[n] if n in qweights else weights[n].to(self.device, f32) for n in names]
+            return quantized_linear(parts, bias, quant)
+
         self.final_norm = w("model.norm.weight")
         self._final_norm_s = self.final_norm * cfg.hidden_size**0.5
         embed = "model.embed_tokens.weight"
-        if "lm_head.weight" in weights and not cfg.tie_word_embeddings:
+        if quant is not None:  # the head quantized; the table the lookups read stays float
+            head = "lm_head.weight" if "lm_head.weight" in weights and not cfg.tie_word_embeddings else embed
+            mapped = weights.mapped(embed, dtype) if isinstance(weights, _LazyWeights) else None
+            self.embed = mapped if mapped is not None and self.device.type == "cpu" else w(embed)
+            self._lm_head = self.embed if head == embed else w(head)
+            self._head = lin([head])
+        elif "lm_head.weight" in weights and not cfg.tie_word_embeddings:
             self.embed = w(embed)
             self.lm_head = w("lm_head.weight")
         else:
@@ -272,11 +297,11 @@ class LlamaModel:
                 self.layers.append(
                     _Layer(
                         attn_norm=w(p + "input_layernorm.weight"),
-                        qkv=Linear(cat([la + f"{n}_proj.weight" for n in "qkvab"]), bias),
-                        o=Linear(w(la + "o_proj.weight")),
+                        qkv=lin([la + f"{n}_proj.weight" for n in "qkvab"], bias),
+                        o=lin([la + "o_proj.weight"]),
                         mlp_norm=w(p + "post_attention_layernorm.weight"),
-                        gate_up=Linear(cat([n + ".weight" for n in mlp])),
-                        down=Linear(w(p + "mlp.down_proj.weight")),
+                        gate_up=lin([n + ".weight" for n in mlp]),
+                        down=lin([p + "mlp.down_proj.weight"]),
                         linear=True,
                     )
                 )
@@ -290,11 +315,11 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(cat([n + ".weight" for n in qkv]), cat_opt([n + ".bias" for n in qkv])),
-                    o=Linear(w(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
+                    qkv=lin([n + ".weight" for n in qkv], cat_opt([n + ".bias" for n in qkv])),
+                    o=lin([p + "self_attn.o_proj.weight"], opt(p + "self_attn.o_proj.bias")),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(cat([n + ".weight" for n in mlp]), cat_opt([n + ".bias" for n in mlp])),
-                    down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias")),
+                    gate_up=lin([n + ".weight" for n in mlp], cat_opt([n + ".bias" for n in mlp])),
+                    down=lin([p + "mlp.down_proj.weight"], opt(p + "mlp.down_proj.bias")),
                     hidden_norm=opt(p + "hidden_norm.weight"),
                     qk_norm=qk_norm,
                 )
@@ -324,15 +349,59 @@ class LlamaModel:
         return bool(self.cfg.linear_layers)
 
     @staticmethod
-    def from_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
+    def from_dir(
+        path: Path,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        quant: str | None = None,
+        qweights: Mapping[str, QWeight] | None = None,
+    ) -> LlamaModel:
         cfg_dict = json.loads((path / "config.json").read_text())
-        return LlamaModel(LlamaConfig.from_dict(cfg_dict), _LazyWeights(path), dtype, device)
+        return LlamaModel(LlamaConfig.from_dict(cfg_dict), _LazyWeights(path), dtype, device, quant, qweights)
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
         if self.lm_head is not self.embed:
             n += self.lm_head.numel()
         return n + sum(layer.num_parameters() for layer in self.layers)
+
+    def linears(self) -> list[tuple[str, object]]:
+        """(name, projection) for every projection and the LM head."""
+        out = [
+            (f"layers.{i}.{n}", getattr(layer, n))
+            for i, layer in enumerate(self.layers)
+            for n in ("qkv", "o", "gate_up", "down")
+        ]
+        return [*out, ("head", self._head)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one token's forward reads: every projection and the head as stored
+        (quantized ones at their packed size), the norms, one embedding row."""
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        norms = self.final_norm.numel() + sum(
+            layer.num_parameters() - sum(p.numel for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            for layer in self.layers
+        )
+        return sum(linear_nbytes(p) for _, p in self.linears()) + (norms + self.cfg.hidden_size) * size
+
+    def quantize(self, kind: str) -> LlamaModel:
+        """Replace every projection and the LM head, in place, by its `kind` (int8, int4,
+        int4-g128) weight-only quantized version; activations keep `self.dtype`. Returns self."""
+        if kind not in QUANT_KINDS:
+            raise SpecDecodeError(f"unknown weight format {kind!r}; choose one of {', '.join(QUANT_KINDS)}")
+        if self.quant == kind:
+            return self
+        if self.quant is not None:
+            name = self.name or "this model"
+            raise SpecDecodeError(f"{name} is already {self.quant}; load it in float first")
+        for layer in self.layers:
+            for n in ("qkv", "o", "gate_up", "down"):
+                old = getattr(layer, n)
+                setattr(layer, n, quantized_linear([old.weight_matrix()], old.bias, kind))
+        self._head = quantized_linear([self._head.weight_matrix()], self._head.bias, kind)
+        self.quant = kind
+        return_freed_memory()
+        return self
 
     def new_cache(
         self, batch_size: int, capacity: int, invariant: bool = False, rollback: str | None = None

@@ -1,0 +1,133 @@
+"""A GGUF's own quantized blocks as our weight-only kernels' formats (models/quant.py), read
+straight from the file instead of through its bf16 dequantization.
+
+Q4_K (llama.cpp's 4-bit k-quant, the bulk of a Q4_K_M file): super-blocks of 256 weights, a
+fp16 scale d and minimum-scale dmin, and for each of its eight sub-blocks of 32 a 6-bit scale
+sc and 6-bit minimum m; a weight is d * sc * q - dmin * m with q in 0..15. That is exactly our
+int4 group-32 format, w = (q - 8) * s + z, with s = d * sc and z = 8 * s - dmin * m: the 4-bit
+values are kept bit for bit and only s and z are rounded, to the bf16 the kernel multiplies by
+(2^-8 relative each; `compare()` reports the largest absolute difference to the file).
+
+Other types have no kernel of their own here: Q6_K, Q5_0, Q8_0 and float matrices become int8
+with one scale per output row, quantized from their dequantized values (int8 keeps more than
+the 5-6 bits these carry, up to the row's range). `q8_0` requantizes everything that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SpecDecodeError
+from .gguf_import import _field, _require_gguf, hf_name, unpermute_rope
+from .quant import QWeight, _bf16
+
+# what a fmt keeps as is: GGUF type name -> our format
+KEEPS = {"q4_k": ("Q4_K",), "q8_0": ()}
+FALLBACK = "int8"  # every other matrix
+
+
+def q4_k_to_int4(blocks: np.ndarray, rows: int, cols: int) -> QWeight:
+    """Q4_K blocks (the raw [rows, cols / 256 * 144] bytes) -> an int4 group-32 QWeight with the
+    same 4-bit values."""
+    gguf = _require_gguf()
+    nb = rows * cols // 256
+    b = np.ascontiguousarray(blocks).reshape(nb, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy())  # [nb, 8] each
+    qs = b[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, cols)  # sub-block 2j: low nibbles of chunk j, 2j + 1: high
+    s = torch.from_numpy(d * sc.astype(np.float32)).reshape(rows, cols // 32)
+    mins = torch.from_numpy(dmin * m.astype(np.float32)).reshape(rows, cols // 32)
+    s = _bf16(s)
+    z = _bf16(8 * s - mins)
+    return QWeight(4, torch.from_numpy(np.ascontiguousarray(q)), s, z, 32)
+
+
+class GGUFQWeights(Mapping):
+    """Our weight names -> QWeight, each read from the (memory-mapped) file when asked, so a
+    model's quantized matrices are never all unpacked at once."""
+
+    def __init__(self, path: str | Path, fmt: str) -> None:
+        if fmt not in KEEPS:
+            raise SpecDecodeError(f"unknown GGUF format {fmt!r}; choose one of {', '.join(KEEPS)}")
+        gguf = _require_gguf()
+        self.path, self.fmt = Path(path), fmt
+        self.reader = gguf.GGUFReader(str(path))
+        arch = _field(self.reader, "general.architecture")
+        self.heads = {
+            "q_proj": int(_field(self.reader, f"{arch}.attention.head_count")),
+            "k_proj": int(_field(self.reader, f"{arch}.attention.head_count_kv")),
+        }
+        self.permuted = arch == "llama"  # llama.cpp interleaved llama's q/k rows (gguf_import.py)
+        self.tensors = {}
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            if name is not None and name.endswith(".weight") and len(t.shape) == 2 and "norm" not in name:
+                self.tensors[name] = t
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __getitem__(self, name: str) -> QWeight:
+        gguf = _require_gguf()
+        t = self.tensors[name]
+        cols, rows = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
+        kind = t.tensor_type.name
+        if kind in KEEPS[self.fmt] and kind == "Q4_K":
+            q = q4_k_to_int4(t.data, rows, cols)
+        else:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
+            q = QWeight.from_float(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), FALLBACK)
+        return self._unpermute(name, q)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """The file's own dequantization of a matrix (float32 [rows, cols], as our runtime lays it out)."""
+        gguf = _require_gguf()
+        t = self.tensors[name]
+        cols, rows = (int(x) for x in t.shape)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
+        w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        proj = name.split(".")[-2]
+        if self.permuted and proj in self.heads:
+            w = w[self._order(rows, self.heads[proj])]
+        return w
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def _order(self, rows: int, n_head: int) -> torch.Tensor:
+        return torch.from_numpy(unpermute_rope(np.arange(rows)[:, None], n_head)[:, 0].copy())
+
+    def _unpermute(self, name: str, q: QWeight) -> QWeight:
+        proj = name.split(".")[-2]
+        if not self.permuted or proj not in self.heads:
+            return q
+        order = self._order(q.q.shape[0], self.heads[proj])
+        zeros = None if q.zeros is None else q.zeros[order]
+        return QWeight(q.bits, q.q[order], q.scales[order], zeros, q.group, q.in_features)
+
+    def compare(self) -> dict[str, dict]:
+        """Per GGUF type: how many matrices, our format, and the largest absolute difference
+        between the weights our kernels multiply by and the file's own dequantization."""
+        out: dict[str, dict] = {}
+        for name in self.tensors:
+            kind = self.type_of(name)
+            q = self[name]
+            diff = float((q.dequantize() - self.dequantized(name)).abs().max())
+            row = out.setdefault(kind, {"matrices": 0, "ours": q.kind, "max_abs_diff": 0.0})
+            row["matrices"] += 1
+            row["max_abs_diff"] = max(row["max_abs_diff"], diff)
+        return out
+
+
+def read_qweights(path: str | Path, fmt: str) -> tuple[GGUFQWeights, str]:
+    """(the file's matrices as QWeights by our names, the format the rest are quantized to)."""
+    return GGUFQWeights(path, fmt), FALLBACK

@@ -1,0 +1,210 @@
+"""Weight-only quantized projections: int8 per output channel, int4 in groups of 32 or 128.
+
+A memory-bound decoder's token costs the bytes of weights it reads; these read 2x (int8) and
+~3.5x (int4) fewer than bf16. The kernels are PyTorch's own weight-only ops, called directly:
+`torch._weight_int8pack_mm` (int8 weight, one scale per output row) and
+`aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` (4-bit values
+packed two per byte, a bf16 scale and zero per group of `group` inputs: w = (q - 8) * s + z).
+torchao's `Int4WeightOnlyConfig` / `Int8WeightOnlyConfig` wrap these same CPU ops, but they
+quantize from float weights with their own choice of scales; a GGUF's Q4_K tensor already *is*
+4-bit values with per-32 scales and minimums, and keeping those exactly (models/gguf_quant.py)
+needs the raw ops. One dependency fewer, the same kernels.
+
+On this CPU the kernels are fast only with bf16 activations (fp32 or fp16 activations take a
+scalar path 10-20x slower, measured in benchmarks/NOTES.md), so a QuantLinear casts its input
+to bf16 and its output back: a quantized projection works inside an fp32 or bf16 model alike.
+Scales and zeros are rounded to bf16 when a weight is quantized, so `QWeight.dequantize()` is
+exactly the matrix the kernel multiplies by (up to the order of its sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpecDecodeError
+from .linear import Linear
+
+# weight format name -> (bits, group size; None: one scale per output row)
+QUANT_KINDS = {"int8": (8, None), "int4": (4, 32), "int4-g128": (4, 128)}
+ACT_DTYPE = torch.bfloat16  # the kernels' fast activation type on CPU
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """Round to bf16 and back to float32: the precision the kernels keep scales in."""
+    return t.to(torch.bfloat16).float()
+
+
+@dataclass
+class QWeight:
+    """A [out, in] weight as integers and scales (before packing for a kernel).
+    int8: q int8 [out, in], scales [out], w = q * s.
+    int4: q uint8 in 0..15 [out, in], scales and zeros [out, in / group], w = (q - 8) * s + z."""
+
+    bits: int
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    group: int | None = None
+    in_features: int | None = None  # int4: inputs before zero padding to a whole group
+
+    def __post_init__(self) -> None:
+        if self.in_features is None:
+            self.in_features = self.q.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.in_features)
+
+    @property
+    def kind(self) -> str:
+        if self.bits == 8:
+            return "int8"
+        return "int4" if self.group == 32 else f"int4-g{self.group}"
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] matrix these integers stand for."""
+        if self.bits == 8:
+            return self.q.float() * self.scales[:, None]
+        g = self.group
+        w = (self.q.float() - 8) * self.scales.repeat_interleave(g, 1) + self.zeros.repeat_interleave(g, 1)
+        return w[:, : self.in_features]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads: the packed integers plus bf16 scales (and zeros)."""
+        n = self.q.numel() * self.bits // 8
+        return n + 2 * (self.scales.numel() + (0 if self.zeros is None else self.zeros.numel()))
+
+    @staticmethod
+    def from_float(w: torch.Tensor, kind: str) -> QWeight:
+        """Round-to-nearest quantization of a float [out, in] weight: int8 symmetric per output
+        row; int4 asymmetric per group (the group's min and max span the 16 levels)."""
+        if kind not in QUANT_KINDS:
+            raise SpecDecodeError(f"unknown weight format {kind!r}; choose one of {', '.join(QUANT_KINDS)}")
+        bits, group = QUANT_KINDS[kind]
+        w = w.float()
+        if bits == 8:
+            s = _bf16(w.abs().amax(1) / 127).clamp_min(1e-10)
+            q = torch.round(w / s[:, None]).clamp_(-128, 127).to(torch.int8)
+            return QWeight(8, q, s)
+        out, inp = w.shape
+        padded = -(-inp // group) * group  # a last partial group is padded with zeros
+        wg = F.pad(w, (0, padded - inp)).view(out, padded // group, group)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        s = _bf16((hi - lo) / 15).clamp_min(1e-10)
+        z = _bf16(lo + 8 * s)
+        q = torch.round((wg - z[..., None]) / s[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+        return QWeight(4, q.view(out, padded), s, z, group, inp)
+
+    @staticmethod
+    def cat(parts: list[QWeight]) -> QWeight:
+        """Stack along the output dimension (q|k|v, gate|up) when the formats agree."""
+        first = parts[0]
+        if any((p.bits, p.group, p.q.shape[1]) != (first.bits, first.group, first.q.shape[1]) for p in parts):
+            raise ValueError("formats differ")
+        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        q, scales = torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts])
+        return QWeight(first.bits, q, scales, zeros, first.group, first.in_features)
+
+
+class QuantLinear(Linear):
+    """A projection through a weight-only quantized kernel; the same call as Linear (rows in
+    the caller's dtype, optional residual, batch-invariant padding)."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None) -> None:
+        device = weight.q.device
+        if device.type != "cpu":
+            raise SpecDecodeError(
+                f"quantized weights ({weight.kind}) run on CPU only for now; use --dtype bf16 on {device}"
+            )
+        self.out_features, self.in_features = weight.shape
+        self.numel = weight.q.numel() + (bias.numel() if bias is not None else 0)
+        self.bias = None if bias is None else bias.to(ACT_DTYPE)
+        self.layout = weight.kind
+        self.dtype = ACT_DTYPE
+        self.bits, self.group = weight.bits, weight.group
+        self._row_multiple = None
+        self.nbytes = weight.nbytes + (0 if bias is None else 2 * bias.numel())
+        self.pad_in = weight.q.shape[1] - self.in_features
+        if weight.bits == 8:
+            self.weight = weight.q.contiguous()
+            self.scales = weight.scales.to(ACT_DTYPE)
+        else:  # the packing takes whole tiles of 16 outputs: pad with zero rows, slice them off
+            pad_out = -self.out_features % 16
+            q = F.pad(weight.q.to(torch.int32), (0, 0, 0, pad_out), value=8)
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            sz = torch.stack([weight.scales, weight.zeros], -1)  # [out, groups, 2]
+            self.scales = F.pad(sz, (0, 0, 0, 0, 0, pad_out)).transpose(0, 1).to(ACT_DTYPE).contiguous()
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
+    ) -> torch.Tensor:
+        out = super().__call__(x.to(ACT_DTYPE), invariant=invariant).to(x.dtype)
+        return out if residual is None else out.add_(residual)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(ACT_DTYPE).contiguous()
+        if self.bits == 8:
+            out = torch._weight_int8pack_mm(x, self.weight, self.scales)
+        else:
+            if self.pad_in:
+                x = F.pad(x, (0, self.pad_in))
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales)
+            if out.shape[1] != self.out_features:
+                out = out[:, : self.out_features].contiguous()
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class ConcatLinear:
+    """Projections whose outputs sit side by side (q|k|v or gate|up) when their formats differ
+    (a GGUF's Q4_K q and k beside its Q6_K v): one call per part, outputs concatenated."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.numel = sum(p.numel for p in parts)
+        self.nbytes = sum(linear_nbytes(p) for p in parts)
+        self.layout = "+".join(p.layout for p in parts)
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
+    ) -> torch.Tensor:
+        out = torch.cat([p(x, invariant=invariant) for p in self.parts], -1)
+        return out if residual is None else out.add_(residual)
+
+
+def linear_nbytes(linear) -> int:
+    """Bytes of weights (and bias) one call reads."""
+    nbytes = getattr(linear, "nbytes", None)
+    if nbytes is not None:
+        return nbytes
+    size = torch.empty(0, dtype=linear.dtype).element_size()
+    return linear.numel * size
+
+
+def quantized_linear(parts: list[QWeight | torch.Tensor], bias: torch.Tensor | None, kind: str):
+    """One projection from the weights stacked in `parts` (float tensors are quantized to
+    `kind`; QWeights are kept as they are): a QuantLinear when the formats agree, else a
+    ConcatLinear of one QuantLinear per format run."""
+    qs = [p if isinstance(p, QWeight) else QWeight.from_float(p, kind) for p in parts]
+    try:
+        return QuantLinear(QWeight.cat(qs), bias)
+    except ValueError:
+        pass
+    runs: list[list[QWeight]] = []  # consecutive parts of one format share a kernel call
+    for q in qs:
+        if runs and (runs[-1][0].bits, runs[-1][0].group) == (q.bits, q.group):
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    out, start = [], 0
+    for run in runs:
+        q = QWeight.cat(run)
+        b = None if bias is None else bias[start : start + q.shape[0]]
+        out.append(QuantLinear(q, b))
+        start += q.shape[0]
+    return ConcatLinear(out)

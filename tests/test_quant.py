@@ -1,0 +1,217 @@
+"""Weight-only quantized weights: the kernels against their dequantized reference, the
+quantizers' error bounds, quantized models and drafters, a GGUF's own Q4_K blocks kept bit for
+bit. (Exactness with a quantized drafter is in test_contract.py's tables.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import write_tiny_qwen_gguf
+from specdecode import SamplingParams, SpeculativeGenerator, SpecConfig, load
+from specdecode.errors import SpecDecodeError
+from specdecode.models import ZOO, LlamaModel, ZooModel
+from specdecode.models.quant import QUANT_KINDS, QuantLinear, QWeight, quantized_linear
+
+KINDS = tuple(QUANT_KINDS)
+
+
+def bf16_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """Equal up to the kernels' bf16 roundings: the product, the scale multiply and the bias add
+    each round to bf16 (2^-9 relative each, of the value or of `scale`, the bias), plus the
+    fp32 sums' order."""
+    err = (got.double() - want.double()).abs()
+    size = want.double().abs() + (0 if scale is None else scale.double().abs())
+    bound = size * 2**-7 + 1e-3 * want.double().abs().max()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+# odd outputs (int4 packs tiles of 16), inputs that are not whole groups (zero-padded), 1-5 rows
+SHAPES = [(48, 64), (37, 96), (16, 200), (160, 256)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantized_linear_computes_its_dequantized_weight_product(kind, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
+    q = QWeight.from_float(w, kind)
+    linear = QuantLinear(q, b)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, shape[1], generator=g)
+        want = x.to(torch.bfloat16).double() @ q.dequantize().double().t() + b.to(torch.bfloat16).double()
+        got = linear(x)
+        assert got.dtype == x.dtype and got.shape == (rows, shape[0])
+        bf16_close(got, want, b)
+        res = torch.randn(rows, shape[0], generator=g)
+        bf16_close(linear(x, residual=res.clone()) - res, want, b + res)
+
+
+def test_the_reference_check_rejects_another_zero_convention():
+    """Negative control: reading int4 as q * s + z (no offset of 8) is caught by the same check."""
+    g = torch.Generator().manual_seed(1)
+    q = QWeight.from_float(torch.randn(32, 64, generator=g), "int4")
+    x = torch.randn(3, 64, generator=g)
+    wrong = q.q.float() * q.scales.repeat_interleave(32, 1) + q.zeros.repeat_interleave(32, 1)
+    with pytest.raises(AssertionError):
+        bf16_close(QuantLinear(q)(x), x.to(torch.bfloat16).double() @ wrong.double().t())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantization_error_is_within_half_a_step(kind):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-2, 1, 64).view(-1, 1)
+    q = QWeight.from_float(w, kind)
+    err = (q.dequantize() - w).abs()
+    if q.bits == 8:
+        step = q.scales.view(-1, 1)
+    else:
+        step = q.scales.repeat_interleave(q.group, 1)
+    # half a step, plus the bf16 rounding of the zero (int4) and of the scale times the level
+    assert bool((err <= 0.5 * step * (1 + 2**-6) + w.abs() * 2**-8).all())
+    # int8: 8 bits + a bf16 scale per row; int4: 4 bits + a bf16 scale and zero per group
+    assert q.nbytes < w.numel() * 2 * (0.51 if q.bits == 8 else 0.32)
+
+
+def test_projections_whose_formats_differ_run_as_one_concatenated_projection():
+    """A GGUF's Q4_K q, k beside its Q6_K-derived int8 v: one ConcatLinear, same outputs as parts."""
+    g = torch.Generator().manual_seed(3)
+    parts = [QWeight.from_float(torch.randn(32, 64, generator=g), k) for k in ("int4", "int4", "int8")]
+    bias = torch.randn(96, generator=g)
+    fused = quantized_linear(parts, bias, "int4")
+    assert fused.layout == "int4+int8" and fused.out_features == 96
+    x = torch.randn(2, 64, generator=g)
+    want = torch.cat([QuantLinear(QWeight.cat(parts[:2]), bias[:64])(x), QuantLinear(parts[2], bias[64:])(x)], -1)
+    torch.testing.assert_close(fused(x), want)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(pair_dir):
+    return pair_dir[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_model_quantized_at_load_equals_one_quantized_after_loading(tiny_target, kind):
+    a = load(tiny_target, quant=kind)
+    b = load(tiny_target).quantize(kind)
+    f = load(tiny_target)
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    la, lb, lf = (m.forward(ids, m.new_cache(1, 8))[0] for m in (a, b, f))
+    assert torch.equal(la, lb)
+    assert a.quant == kind and a.weight_bytes() < f.weight_bytes() * 0.5  # of fp32 (tiny shapes pad)
+    # a quantized copy of the model, not another one (random weights lose much in 4 bits)
+    cos = torch.nn.functional.cosine_similarity(la.flatten(), lf.flatten(), 0)
+    assert cos > (0.99 if kind == "int8" else 0.85)
+
+
+def test_quantizing_twice_or_through_transformers_is_a_clear_error(tiny_target):
+    m = load(tiny_target, quant="int4")
+    assert m.quantize("int4") is m
+    with pytest.raises(SpecDecodeError, match="already int4"):
+        m.quantize("int8")
+    with pytest.raises(SpecDecodeError, match="lean runtime"):
+        load(tiny_target, backend="hf", quant="int4")
+    with pytest.raises(SpecDecodeError, match="unknown weight format"):
+        load(tiny_target, quant="int3")
+
+
+def test_a_quantized_target_is_exact_relative_to_itself(pair_dir):
+    """Greedy speculative decoding on an int4 target equals that int4 target's own greedy run."""
+    target = load(pair_dir[0], quant="int4")
+    draft = load(pair_dir[1])
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    got = SpeculativeGenerator(target, draft=draft, method="draft", k=3).generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+
+
+def test_draft_dtype_quantizes_each_model_drafter_and_refuses_weightless_ones(pair_dir, trained64):
+    target, draft = load(pair_dir[0]), load(pair_dir[1])
+    gen = SpeculativeGenerator(target, draft=draft, method="draft", draft_dtype="int4")
+    assert draft.quant == "int4" and gen.drafter.weights_dtype == "int4"
+    gen = SpeculativeGenerator(target, method="eagle3", heads=trained64["eagle3"], draft_dtype="int8")
+    assert gen.drafter.layer.quant == "int8" and gen.drafter.fc.layout == "int8"
+    with pytest.raises(SpecDecodeError, match="no draft weights of its own"):
+        SpeculativeGenerator(target, method="ngram", draft_dtype="int4")
+    with pytest.raises(SpecDecodeError, match="weights are fp32, not bf16"):
+        SpeculativeGenerator(target, draft=load(pair_dir[1]), method="draft", draft_dtype="bf16")
+    with pytest.raises(SpecDecodeError, match="draft_dtype"):
+        SpecConfig(draft_dtype="int4")  # target-only decoding drafts nothing
+    with pytest.raises(SpecDecodeError, match="draft_dtype 'int2'"):
+        SpecConfig(method="draft", draft_dtype="int2")
+
+
+# -- a GGUF's own quantization ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_gguf(tmp_path_factory):
+    """(its GGUF, the GGUF imported): the pair's tensor types, random blocks."""
+    from specdecode.models.gguf_import import import_gguf
+
+    root = tmp_path_factory.mktemp("qwen-gguf-quant")
+    _, path = write_tiny_qwen_gguf(root)
+    return path, import_gguf(path, root / "fp32", progress=False)
+
+
+def test_q4_k_blocks_keep_their_4_bit_values_and_scales_up_to_bf16(qwen_gguf):
+    import gguf
+
+    from specdecode.models.gguf_quant import GGUFQWeights
+
+    path, _ = qwen_gguf
+    qw = GGUFQWeights(path, "q4_k")
+    report = qw.compare()
+    assert report["Q4_K"]["ours"] == "int4" and report["Q4_K"]["matrices"] >= 5
+    for kind in ("Q6_K", "Q5_0", "Q8_0"):
+        assert report[kind]["ours"] == "int8"
+    name = next(n for n in qw if qw.type_of(n) == "Q4_K")
+    q, ref = qw[name], qw.dequantized(name)
+    # the file's 4-bit values, bit for bit: dequantizing with unrounded scales gives its weights
+    t = qw.tensors[name]
+    blocks = np.asarray(t.data).reshape(-1, 144)
+    d = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).astype(np.float32))
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    dmin = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
+    s = (d * torch.from_numpy(sc.astype(np.float32))).reshape(q.q.shape[0], -1)
+    mins = (dmin * torch.from_numpy(m.astype(np.float32))).reshape(q.q.shape[0], -1)
+    exact = q.q.float() * s.repeat_interleave(32, 1) - mins.repeat_interleave(32, 1)
+    torch.testing.assert_close(exact, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    # and the bf16 scale and zero stay within their rounding (2^-8 relative each):
+    # ours - file = q (s_bf16 - s) + (z_bf16 - (8 s_bf16 - m)), q <= 15
+    s_abs, z_abs = s.abs().repeat_interleave(32, 1), (8 * s - mins).abs().repeat_interleave(32, 1)
+    bound = 2**-8 * (15 * s_abs + z_abs * (1 + 2**-7))
+    assert bool(((q.dequantize() - ref).abs() <= bound + 1e-9).all())
+    assert report["Q4_K"]["max_abs_diff"] <= float(bound.max())
+
+
+def test_a_q4_k_target_runs_its_ggufs_blocks_and_is_exact_relative_to_itself(qwen_gguf, tmp_path, monkeypatch):
+    path, imported = qwen_gguf
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(ZOO, "tiny-q4", ZooModel("helpers", "../" + path.name, "pip install tiny"))
+    monkeypatch.setattr(ZooModel, "gguf_path", lambda self: path)
+    target = load("tiny-q4", quant="q4_k")  # fp32 activations: this random model is erratic in bf16
+    assert target.quant == "q4_k"
+    layouts = {linear.layout for _, linear in target.linears()}
+    assert "int4+int8" in layouts  # Q4_K q, k beside the Q6_K v
+    ref = load(imported)
+    ids = torch.tensor([[5, 70, 3, 200, 9, 41, 17, 88]])
+    lq = target.forward(ids, target.new_cache(1, 16))[0]
+    lr = ref.forward(ids, ref.new_cache(1, 16))[0]
+    assert (lq - lr).abs().max() < 0.03 * lr.abs().max()  # the same model up to int8/bf16 rounding
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 70, 3], [200, 9, 41, 17]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    got = SpeculativeGenerator(target, method="ngram", k=3).generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+    with pytest.raises(SpecDecodeError, match="installed GGUF"):
+        load(str(imported), quant="q4_k")
+
+
+def test_lean_model_linears_report_every_projection_and_the_head(tiny_target):
+    m = load(tiny_target, quant="int8")
+    names = [n for n, _ in m.linears()]
+    assert names[-1] == "head" and len(names) == 4 * m.cfg.num_layers + 1
+    assert isinstance(m, LlamaModel)
