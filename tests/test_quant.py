@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import write_tiny_qwen_gguf
-from specdecode import SamplingParams, SpeculativeGenerator, SpecConfig, load
+from specdecode import SamplingParams, SpecConfig, SpeculativeGenerator, load
 from specdecode.errors import SpecDecodeError
 from specdecode.models import ZOO, LlamaModel, ZooModel
 from specdecode.models.quant import QUANT_KINDS, QuantLinear, QWeight, quantized_linear
@@ -82,7 +82,8 @@ def test_projections_whose_formats_differ_run_as_one_concatenated_projection():
     fused = quantized_linear(parts, bias, "int4")
     assert fused.layout == "int4+int8" and fused.out_features == 96
     x = torch.randn(2, 64, generator=g)
-    want = torch.cat([QuantLinear(QWeight.cat(parts[:2]), bias[:64])(x), QuantLinear(parts[2], bias[64:])(x)], -1)
+    int4, int8 = QuantLinear(QWeight.cat(parts[:2]), bias[:64]), QuantLinear(parts[2], bias[64:])
+    want = torch.cat([int4(x), int8(x)], -1)
     torch.testing.assert_close(fused(x), want)
 
 
@@ -187,7 +188,7 @@ def test_q4_k_blocks_keep_their_4_bit_values_and_scales_up_to_bf16(qwen_gguf):
     assert report["Q4_K"]["max_abs_diff"] <= float(bound.max())
 
 
-def test_a_q4_k_target_runs_its_ggufs_blocks_and_is_exact_relative_to_itself(qwen_gguf, tmp_path, monkeypatch):
+def test_a_q4_k_target_runs_its_ggufs_blocks_exactly_relative_to_itself(qwen_gguf, tmp_path, monkeypatch):
     path, imported = qwen_gguf
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(ZOO, "tiny-q4", ZooModel("helpers", "../" + path.name, "pip install tiny"))
