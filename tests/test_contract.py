@@ -70,10 +70,11 @@ GREEDY_CASES = [
     ("auto", {"k": 3, "with_draft": True}),
     ("auto", {"k": 3, "suffix_only": True}),
     # a quantized drafter (weight-only int4 / int8): cheaper drafts, the same tokens
-    *[("draft", {"k": 3, "draft_dtype": d}) for d in ("int4", "int8", "int4-g128")],
+    *[("draft", {"k": 3, "draft_dtype": d}) for d in ("int4", "int8", "int4-g128", "w8a8")],
     ("draft", {"tree": "3,2", "draft_dtype": "int4"}),
     *[(m, {"k": 3, "draft_dtype": "int4"}) for m in ("medusa", "eagle", "eagle3")],
     ("eagle3", {"tree": "2,2", "draft_dtype": "int8"}),
+    ("eagle3", {"k": 3, "draft_dtype": "w8a8"}),
     ("auto", {"k": 3, "with_draft": True, "draft_dtype": "int4"}),
 ]
 

@@ -12,9 +12,10 @@ from helpers import write_tiny_qwen_gguf
 from specdecode import SamplingParams, SpecConfig, SpeculativeGenerator, load
 from specdecode.errors import SpecDecodeError
 from specdecode.models import ZOO, LlamaModel, ZooModel
-from specdecode.models.quant import QUANT_KINDS, QuantLinear, QWeight, quantized_linear
+from specdecode.models.quant import QUANT_KINDS, DynamicInt8Linear, QuantLinear, QWeight, quantized_linear
 
 KINDS = tuple(QUANT_KINDS)
+WEIGHT_ONLY = tuple(k for k in KINDS if k != "w8a8")
 
 
 def bf16_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -31,7 +32,7 @@ def bf16_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None
 SHAPES = [(48, 64), (37, 96), (16, 200), (160, 256)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", WEIGHT_ONLY)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_quantized_linear_computes_its_dequantized_weight_product(kind, shape):
     g = torch.Generator().manual_seed(sum(shape))
@@ -48,6 +49,26 @@ def test_quantized_linear_computes_its_dequantized_weight_product(kind, shape):
         bf16_close(linear(x, residual=res.clone()) - res, want, b + res)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_w8a8_is_the_int8_product_up_to_half_an_activation_step_and_row_invariant(shape):
+    """Activations quantized per row to 7 bits (8 with VNNI) over [-max|x|, max|x|]: each output
+    is off by at most half a step times the row's scale times sum |w|; a row's result is the
+    same alone and among 96 rows (bit for bit)."""
+    g = torch.Generator().manual_seed(sum(shape) + 7)
+    w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
+    linear = quantized_linear([w], b, "w8a8")
+    assert isinstance(linear, DynamicInt8Linear)
+    deq = QWeight.from_float(w, "int8").dequantize().double()
+    x = torch.randn(96, shape[1], generator=g) * torch.logspace(-3, 2, 96).view(-1, 1)
+    got = linear(x)
+    want = x.double() @ deq.t() + b.double()
+    r = x.double().abs().amax(1, keepdim=True)
+    bound = r * (1 / 127) * deq.abs().sum(1) + 1e-5 * want.abs()
+    assert bool(((got.double() - want).abs() <= bound).all())
+    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(96)]), got)
+    assert torch.equal(torch.cat([linear(x[i : i + 5]) for i in range(0, 96, 5)]), got)
+
+
 def test_the_reference_check_rejects_another_zero_convention():
     """Negative control: reading int4 as q * s + z (no offset of 8) is caught by the same check."""
     g = torch.Generator().manual_seed(1)
@@ -58,7 +79,7 @@ def test_the_reference_check_rejects_another_zero_convention():
         bf16_close(QuantLinear(q)(x), x.to(torch.bfloat16).double() @ wrong.double().t())
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", WEIGHT_ONLY)
 def test_quantization_error_is_within_half_a_step(kind):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 256, generator=g) * torch.logspace(-2, 1, 64).view(-1, 1)
@@ -103,7 +124,7 @@ def test_a_model_quantized_at_load_equals_one_quantized_after_loading(tiny_targe
     assert a.quant == kind and a.weight_bytes() < f.weight_bytes() * 0.5  # of fp32 (tiny shapes pad)
     # a quantized copy of the model, not another one (random weights lose much in 4 bits)
     cos = torch.nn.functional.cosine_similarity(la.flatten(), lf.flatten(), 0)
-    assert cos > (0.99 if kind == "int8" else 0.85)
+    assert cos > (0.99 if kind in ("int8", "w8a8") else 0.85)
 
 
 def test_quantizing_twice_or_through_transformers_is_a_clear_error(tiny_target):
@@ -117,9 +138,10 @@ def test_quantizing_twice_or_through_transformers_is_a_clear_error(tiny_target):
         load(tiny_target, quant="int3")
 
 
-def test_a_quantized_target_is_exact_relative_to_itself(pair_dir):
-    """Greedy speculative decoding on an int4 target equals that int4 target's own greedy run."""
-    target = load(pair_dir[0], quant="int4")
+@pytest.mark.parametrize("kind", ["int4", "w8a8"])
+def test_a_quantized_target_is_exact_relative_to_itself(pair_dir, kind):
+    """Greedy speculative decoding on a quantized target equals that target's own greedy run."""
+    target = load(pair_dir[0], quant=kind)
     draft = load(pair_dir[1])
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]

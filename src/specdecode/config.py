@@ -11,7 +11,7 @@ from .tree import TREE_SAMPLING, TokenTree
 
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
 # a drafter's own weights: float as loaded, or weight-only quantized at build (models/quant.py)
-DRAFT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "int4-g128")
+DRAFT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "int4-g128", "w8a8")
 
 
 def adaptive_max_k(k: int, max_k: int | None) -> int:

@@ -19,7 +19,7 @@ from .tree import TREE_SAMPLING
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
 # a model's weights: a float dtype, weight-only quantized at load (int8 per output row, int4 in
 # groups of 32 or 128; activations bf16), or a GGUF's own quantization kept (q4_k, q8_0)
-QUANTIZED = ("int8", "int4", "int4-g128")
+QUANTIZED = ("int8", "int4", "int4-g128", "w8a8")
 GGUF_FORMATS = ("q4_k", "q8_0")
 WEIGHT_FORMATS = (*DTYPES, *QUANTIZED, *GGUF_FORMATS)
 
@@ -35,7 +35,8 @@ def torch_dtype(name: str):
 
 DTYPE_HELP = (
     "the target's weights: fp32 (default), bf16, fp16; int8 / int4 / int4-g128 quantized at load "
-    "(weight-only: int8 per output row, 4-bit in groups of 32 / 128; bf16 activations); q4_k / q8_0 "
+    "(weight-only: int8 per output row, 4-bit in groups of 32 / 128; bf16 activations); w8a8 (int8 "
+    "weights x int8 activations per token, FBGEMM: verification costs about a step); q4_k / q8_0 "
     "keep an installed GGUF's own quantized blocks. Exactness holds relative to the target as it runs"
 )
 
@@ -46,8 +47,10 @@ def weight_format(name: str):
 
     if name in DTYPES:
         return getattr(torch, DTYPES[name]), None
+    if name == "w8a8":  # its GEMM takes float32 rows (quantized per row inside)
+        return torch.float32, name
     if name in (*QUANTIZED, *GGUF_FORMATS):
-        return torch.bfloat16, name  # the quantized kernels' fast activation type (models/quant.py)
+        return torch.bfloat16, name  # the weight-only kernels' fast activation type (models/quant.py)
     raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
@@ -124,7 +127,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "draft_dtype",
         "how the drafter's own weights run (draft model, EAGLE/EAGLE-3 layer, Medusa heads): fp32, bf16, "
-        "fp16, or weight-only quantized int8 / int4 / int4-g128 (4-bit in groups of 32 / 128). Never "
+        "fp16, weight-only quantized int8 / int4 / int4-g128 (4-bit in groups of 32 / 128), or w8a8 (int8 "
+        "weights and activations). Never "
         "changes the output (the target verifies every token), only the draft's cost and acceptance "
         "(default: as loaded, the target's dtype)",
         choices=DRAFT_DTYPES,

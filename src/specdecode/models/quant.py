@@ -19,6 +19,8 @@ exactly the matrix the kernel multiplies by (up to the order of its sums).
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +29,9 @@ import torch.nn.functional as F
 from ..errors import SpecDecodeError
 from .linear import Linear
 
-# weight format name -> (bits, group size; None: one scale per output row)
-QUANT_KINDS = {"int8": (8, None), "int4": (4, 32), "int4-g128": (4, 128)}
+# weight format name -> (bits, group size; None: one scale per output row). w8a8: int8 weights
+# per row times int8 activations quantized per row on the fly (DynamicInt8Linear)
+QUANT_KINDS = {"int8": (8, None), "int4": (4, 32), "int4-g128": (4, 128), "w8a8": (8, None)}
 ACT_DTYPE = torch.bfloat16  # the kernels' fast activation type on CPU
 
 
@@ -59,7 +62,7 @@ class QWeight:
         return (self.q.shape[0], self.in_features)
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> str:  # (a w8a8 projection's weight is an int8 QWeight)
         if self.bits == 8:
             return "int8"
         return "int4" if self.group == 32 else f"int4-g{self.group}"
@@ -86,7 +89,7 @@ class QWeight:
             raise SpecDecodeError(f"unknown weight format {kind!r}; choose one of {', '.join(QUANT_KINDS)}")
         bits, group = QUANT_KINDS[kind]
         w = w.float()
-        if bits == 8:
+        if bits == 8:  # int8 and w8a8
             s = _bf16(w.abs().amax(1) / 127).clamp_min(1e-10)
             q = torch.round(w / s[:, None]).clamp_(-128, 127).to(torch.int8)
             return QWeight(8, q, s)
@@ -158,6 +161,71 @@ class QuantLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
 
+@functools.cache
+def _int8_gemm_engine() -> tuple[str, bool] | None:
+    """(torch's quantized engine with FBGEMM's dynamic int8 linear, whether activations must
+    use 7 bits): x86 or fbgemm; None when this build has neither. Without VNNI, FBGEMM's u8 x s8
+    multiply-adds pairs into int16 and 8-bit activations could saturate, so it takes 7 bits."""
+    engines = torch.backends.quantized.supported_engines
+    engine = next((e for e in ("x86", "fbgemm") if e in engines), None)
+    if engine is None:
+        return None
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    return engine, not ("avx512_vnni" in flags or "avx_vnni" in flags)
+
+
+class DynamicInt8Linear(Linear):
+    """int8 weights (one scale per output row) times int8 activations, each row quantized on the
+    fly with its own scale: FBGEMM's dynamic quantized linear (torch.ops.quantized, the x86
+    engine), an integer GEMM that streams the weight once for all rows, so a few rows
+    (verification) cost about one row. FBGEMM quantizes the whole input with one scale; to make
+    each row's result its own (batch invariance, greedy identity), every row is divided by its
+    largest magnitude and a fixed row [1, -1, 0, ...] is appended, so the input's range is always
+    [-1, 1], and the output rows are multiplied back. The integer sums are exact, so a row's
+    result does not depend on the others. torch marks its quantized-tensor API deprecated; it is
+    used only to hand FBGEMM the weight once, at load."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None) -> None:
+        found = _int8_gemm_engine()
+        if found is None or weight.q.device.type != "cpu":
+            raise SpecDecodeError("w8a8 needs torch's x86/FBGEMM quantized engine on CPU; use --dtype int8")
+        engine, self.reduce_range = found
+        if torch.backends.quantized.engine != engine:
+            torch.backends.quantized.engine = engine
+        self.out_features, self.in_features = weight.shape
+        self.numel = weight.q.numel() + (0 if bias is None else bias.numel())
+        self.nbytes = weight.q.numel() + 4 * self.out_features + (0 if bias is None else 4 * bias.numel())
+        self.bias = None if bias is None else bias.float()
+        self.layout, self.dtype, self.bits, self.group = "w8a8", torch.float32, 8, None
+        self._row_multiple = None
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(weight.q, weight.scales.double(), zeros, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.weight = None
+        self.range_row = torch.zeros(1, self.in_features)
+        self.range_row[0, 0], self.range_row[0, -1] = 1.0, -1.0
+
+    row_multiple = 1  # row-invariant by construction (tested): no padding needed
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
+    ) -> torch.Tensor:
+        out = self._product(x).to(x.dtype)
+        return out if residual is None else out.add_(residual)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
+        rows = torch.cat([x / r, self.range_row])
+        out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)[:-1].mul_(r)
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class ConcatLinear:
     """Projections whose outputs sit side by side (q|k|v or gate|up) when their formats differ
     (a GGUF's Q4_K q and k beside its Q6_K v): one call per part, outputs concatenated."""
@@ -190,6 +258,9 @@ def quantized_linear(parts: list[QWeight | torch.Tensor], bias: torch.Tensor | N
     """One projection from the weights stacked in `parts` (float tensors are quantized to
     `kind`; QWeights are kept as they are): a QuantLinear when the formats agree, else a
     ConcatLinear of one QuantLinear per format run."""
+    if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
+        qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]
+        return DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias)
     qs = [p if isinstance(p, QWeight) else QWeight.from_float(p, kind) for p in parts]
     try:
         return QuantLinear(QWeight.cat(qs), bias)
