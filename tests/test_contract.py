@@ -76,6 +76,9 @@ GREEDY_CASES = [
     ("eagle3", {"tree": "2,2", "draft_dtype": "int8"}),
     ("eagle3", {"k": 3, "draft_dtype": "w8a8"}),
     ("auto", {"k": 3, "with_draft": True, "draft_dtype": "int4"}),
+    # a draft head over 40 of the 64 tokens (FR-Spec): q is 0 elsewhere
+    ("draft", {"k": 3, "draft_vocab": 40}),
+    ("draft", {"tree": "3,2", "draft_vocab": 40, "draft_dtype": "int4"}),
 ]
 
 
@@ -128,6 +131,7 @@ JOINT_CASES = [
     ("suffix", {"k": 3}, [1, 2, 3, 4, 1, 2, 3]),
     ("draft", {"k": 2, "draft_dtype": "int4"}, PROMPT),
     ("eagle3", {"tree": "2,2", "draft_dtype": "int4"}, PROMPT),
+    ("draft", {"k": 2, "draft_vocab": 10}, PROMPT),
 ]
 # the negative control per family: the engine that redraws from p after a rejection fails
 NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from specdecode.cli import main
+from specdecode.errors import SpecDecodeError
 from specdecode.plan import run_plan
 from specdecode.roofline import HARDWARE, ModelSpec, forward_time, spec_from_config, spec_from_path
 
@@ -57,3 +58,12 @@ def test_plan_cli_json_and_plot(tmp_path, capsys):
     assert code == 0 and png.stat().st_size > 1000
     assert {p["k"] for p in out["data"]["points"]} == {1, 2, 3}
     assert out["data"]["alphas"] == [0.9, 0.8, 0.7]
+
+
+def test_a_quantized_draft_reads_fewer_bytes_so_the_plan_predicts_more_speed_up():
+    kw = {"target": "1.5e9", "draft": "0.5e9", "batches": (1,), "alphas": (0.9,)}
+    plain, int4 = run_plan(**kw), run_plan(**kw, draft_dtype="int4")
+    assert int4.data["best"][0]["speedup"] > plain.data["best"][0]["speedup"]
+    assert int4.data["draft_dtype"] == "int4"
+    with pytest.raises(SpecDecodeError, match="--draft-dtype"):
+        run_plan(**kw, draft_dtype="int3")

@@ -39,9 +39,10 @@ def test_quantized_linear_computes_its_dequantized_weight_product(kind, shape):
     w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
     q = QWeight.from_float(w, kind)
     linear = QuantLinear(q, b)
-    for rows in (1, 2, 5):
+    for rows in (1, 2, 5, 20):  # 20: a prefill, through an fp32 GEMM over the dequantized weight
         x = torch.randn(rows, shape[1], generator=g)
-        want = x.to(torch.bfloat16).double() @ q.dequantize().double().t() + b.to(torch.bfloat16).double()
+        xr = x.double() if rows >= 16 else x.to(torch.bfloat16).double()
+        want = xr @ q.dequantize().double().t() + b.to(torch.bfloat16).double()
         got = linear(x)
         assert got.dtype == x.dtype and got.shape == (rows, shape[0])
         bf16_close(got, want, b)
@@ -238,3 +239,40 @@ def test_lean_model_linears_report_every_projection_and_the_head(tiny_target):
     names = [n for n, _ in m.linears()]
     assert names[-1] == "head" and len(names) == 4 * m.cfg.num_layers + 1
     assert isinstance(m, LlamaModel)
+
+
+# -- a draft vocabulary (FR-Spec) -------------------------------------------------------------
+
+
+def test_a_reduced_draft_head_gives_the_full_heads_logits_on_its_tokens_and_minus_inf_elsewhere(pair_dir):
+    from specdecode.models.draft_vocab import ReducedHeadModel, frequent_ids
+
+    draft = load(pair_dir[1])
+    draft.eos_token_ids = (60,)
+    ids = frequent_ids(draft, 20)
+    assert ids.tolist() == [*range(20), 60]  # the 20 lowest ids and the EOS
+    reduced = ReducedHeadModel(draft, ids)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    full, _ = draft.forward(tokens, draft.new_cache(1, 8))
+    small, _ = reduced.forward(tokens, reduced.new_cache(1, 8))
+    torch.testing.assert_close(small[..., ids], full[..., ids])
+    outside = torch.ones(draft.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert bool(torch.isinf(small[..., outside]).all())
+    assert reduced.weight_bytes() < draft.weight_bytes()
+
+
+def test_draft_vocab_needs_a_draft_model_and_a_valid_list(pair_dir, tmp_path):
+    from specdecode.models.draft_vocab import frequent_ids
+
+    with pytest.raises(SpecDecodeError, match="method draft or auto"):
+        SpecConfig(method="ngram", draft_vocab=100)
+    with pytest.raises(SpecDecodeError, match="integer >= 2"):
+        SpecConfig(method="draft", draft_vocab=1)
+    bad = tmp_path / "ids.json"
+    bad.write_text("[1, 2, 999]")
+    with pytest.raises(SpecDecodeError, match="outside the model's 64 tokens"):
+        frequent_ids(load(pair_dir[1]), bad)
+    bad.write_text("{not json")
+    with pytest.raises(SpecDecodeError, match="not a JSON list"):
+        frequent_ids(load(pair_dir[1]), bad)

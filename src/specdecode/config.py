@@ -44,7 +44,10 @@ class SpecConfig:
     draft_dtype: how the drafter's own weights run (draft model, EAGLE / EAGLE-3 layer, Medusa
     heads): int8, int4 or int4-g128 quantizes them at build (in place: a draft model passed in
     is quantized itself); fp32 / bf16 / fp16 only checks that they were loaded so. A draft's
-    precision never changes the output, only its cost and its acceptance."""
+    precision never changes the output, only its cost and its acceptance.
+    draft_vocab (draft model, auto with one): its LM head over only the N most frequent tokens
+    (FR-Spec): an int N (the N lowest token ids: a byte-level BPE numbers tokens in merge order,
+    roughly by frequency) or a JSON file of ids in frequency order; EOS tokens always kept."""
 
     method: str | None = None
     k: int = 4
@@ -63,6 +66,7 @@ class SpecConfig:
     suffix_max: int = 16
     load_costs: Any = None
     draft_dtype: str | None = None
+    draft_vocab: int | str | Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):
@@ -86,6 +90,14 @@ class SpecConfig:
                 )
             if self.method is None:
                 raise SpecDecodeError("draft_dtype needs a drafting method; target-only decoding drafts none")
+        if self.draft_vocab is not None:
+            v = self.draft_vocab
+            if self.method not in ("draft", "auto"):
+                raise SpecDecodeError(
+                    f"draft_vocab restricts a draft model's head: method draft or auto, not {self.method!r}"
+                )
+            if isinstance(v, bool) or (isinstance(v, int) and v < 2):
+                raise SpecDecodeError(f"draft_vocab must be an integer >= 2 or a JSON file, got {v!r}")
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
         if self.rollback is not None and self.rollback not in ("snapshot", "recompute"):

@@ -133,6 +133,14 @@ OPTIONS: tuple[Option, ...] = (
         "(default: as loaded, the target's dtype)",
         choices=DRAFT_DTYPES,
     ),
+    Option(
+        "draft_vocab",
+        "draft model / auto: its LM head over only the N most frequent tokens (FR-Spec; N lowest token "
+        "ids, or a JSON file of ids in frequency order): a cheaper draft, a little less acceptance "
+        "(default: the whole vocabulary)",
+        type=lambda s: int(s) if s.isdigit() else s,
+        metavar="N|FILE.json",
+    ),
 )
 BY_FIELD = {o.field: o for o in OPTIONS}
 

@@ -185,14 +185,16 @@ def run_plan(
     compute_efficiency: float = 1.0,
     bandwidth_efficiency: float = 1.0,
     verify_tokens: int = 0,
+    draft_dtype: str | None = None,
 ):
     """The plan as a LabResult: tables of speed-up by batch and k, the best k per batch, a plot."""
     from .lab.common import LabResult, Table
 
-    if dtype not in DTYPE_BYTES:
-        raise SpecDecodeError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    for flag, value in (("--dtype", dtype), ("--draft-dtype", draft_dtype or dtype)):
+        if value not in DTYPE_BYTES:
+            raise SpecDecodeError(f"unknown {flag} {value!r}; choose one of {', '.join(DTYPE_BYTES)}")
     validate(list(alphas), context, list(batches), max_k)
-    t, d = model_from_arg(target, dtype), model_from_arg(draft, dtype)
+    t, d = model_from_arg(target, dtype), model_from_arg(draft, draft_dtype or dtype)
     for name, eff in (
         ("--compute-efficiency", compute_efficiency),
         ("--bandwidth-efficiency", bandwidth_efficiency),
@@ -227,7 +229,8 @@ def run_plan(
             + [p.k, p.speedup, published.get(p.batch, "")]
         )
     alpha_text = ", ".join(f"{a:g}" for a in alphas)
-    title = f"{t.name} + draft {d.name} on {hw.name}, {dtype}, α = {alpha_text}, context {context}"
+    dtypes = dtype if not draft_dtype or draft_dtype == dtype else f"{dtype}, draft {draft_dtype}"
+    title = f"{t.name} + draft {d.name} on {hw.name}, {dtypes}, α = {alpha_text}, context {context}"
     if verify_tokens:
         title += f", {verify_tokens} tokens verified per row"
     table = Table(
@@ -250,6 +253,7 @@ def run_plan(
         "alphas": list(alphas),
         "context": context,
         "dtype": dtype,
+        "draft_dtype": draft_dtype or dtype,
         "verify_tokens": verify_tokens,
         "points": [p.__dict__ for p in points],
         "best": [p.__dict__ for p in best],

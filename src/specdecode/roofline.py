@@ -10,7 +10,17 @@ from pathlib import Path
 
 from .errors import SpecDecodeError
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# bytes per weight; the quantized formats of models/quant.py carry their bf16 scales (and zeros)
+DTYPE_BYTES = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "int8": 1,
+    "w8a8": 1,
+    "int4": 0.5 + 4 / 32,  # group 32: a bf16 scale and zero per 32 weights
+    "int4-g128": 0.5 + 4 / 128,
+}
 
 
 @dataclass(frozen=True)
@@ -93,9 +103,12 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
 
+    kv_dtype_bytes: float | None = None  # the cache's (default: dtype_bytes)
+
     @property
     def kv_bytes_per_token(self) -> float:
-        return 2 * self.layers * self.kv_dim * self.dtype_bytes
+        kv = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return 2 * self.layers * self.kv_dim * kv
 
     def flops_per_token(self, context: int = 0) -> float:
         """2 operations per matmul weight, plus attention's QKᵀ and AV over the context."""
@@ -103,7 +116,10 @@ class ModelSpec:
         return 2 * mm + 4 * self.layers * self.attn_dim * context
 
     def with_dtype(self, dtype: str) -> ModelSpec:
-        return replace(self, dtype_bytes=DTYPE_BYTES[dtype])
+        """Weights in `dtype`; the cache too for float types, bf16 under quantized weights (int8,
+        w8a8, int4: models/quant.py quantizes weights only)."""
+        kv = DTYPE_BYTES[dtype] if dtype in ("fp32", "bf16", "fp16", "fp8") else 2
+        return replace(self, dtype_bytes=DTYPE_BYTES[dtype], kv_dtype_bytes=kv)
 
 
 def spec_from_config(config: dict, name: str, dtype: str = "bf16") -> ModelSpec:
@@ -123,7 +139,7 @@ def spec_from_config(config: dict, name: str, dtype: str = "bf16") -> ModelSpec:
     embed = V * d
     params = embed * (1 if tied else 2) + L * per_layer + d
     matmul = params - (0 if tied else embed)  # the input embedding is a lookup, not a matmul
-    return ModelSpec(name, params, DTYPE_BYTES[dtype], matmul, L, H * hd, Hkv * hd, "config.json")
+    return ModelSpec(name, params, 2, matmul, L, H * hd, Hkv * hd, "config.json").with_dtype(dtype)
 
 
 def spec_from_path(path: str | Path, dtype: str = "bf16") -> ModelSpec:

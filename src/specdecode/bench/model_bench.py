@@ -149,8 +149,8 @@ class ModelBenchConfig:
             raise SpecDecodeError(f"unknown --method {cfg.method!r}; choose one of {', '.join(DRAFTERS)}")
         if cfg.method == "draft" and not cfg.draft:
             raise SpecDecodeError("--method draft needs --draft MODEL")
-        if cfg.draft_dtype and not cfg.draft:
-            raise SpecDecodeError("--draft-dtype needs --draft MODEL")
+        if cfg.draft_dtype and not cfg.draft and cfg.method not in ("eagle", "eagle3", "medusa", "auto"):
+            raise SpecDecodeError("--draft-dtype needs --draft MODEL or a method with trained heads")
         return cfg
 
 
@@ -171,6 +171,9 @@ def _rss_mb() -> float:
 
 
 def _weight_bytes(model) -> int:
+    """Bytes one token's forward reads (quantized projections at their packed size)."""
+    if hasattr(model, "weight_bytes"):
+        return model.weight_bytes()
     return model.num_parameters() * torch.empty(0, dtype=model.dtype).element_size()
 
 
@@ -198,7 +201,10 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
         if cfg.method == "ngram":
             kw.update(ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min)
         if cfg.draft:
-            kw["draft"] = load(cfg.draft, dtype=_draft_dtype(cfg, dtype), device=cfg.device)
+            ddtype, dquant = _draft_format(cfg, dtype)
+            kw["draft"] = load(cfg.draft, dtype=ddtype, device=cfg.device, quant=dquant)
+        elif cfg.draft_dtype:
+            kw["draft_dtype"] = cfg.draft_dtype
         heads = method_heads(cfg.target, cfg.method, cfg.heads, draft=cfg.draft)
         if heads is not None:
             kw["heads"] = heads
@@ -212,14 +218,16 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
             gen = SpeculativeGenerator(target, batch_invariant=True, **kw)
             settings = {"k": cfg.k, "batch_invariant": True}
             runners.append(OursRunner(_inv_method(cfg), gen, cfg.method, cfg.policy, settings))
-    if cfg.transformers:
+    if cfg.transformers and getattr(target, "quant", None) is not None:
+        log(f"transformers: skipped (it runs float weights, the target here is {target.quant})")
+    elif cfg.transformers:
         hf = load_transformers(resolve(cfg.target, dtype), cfg.device, dtype)
         runners.append(TransformersRunner("transformers generate", hf, "generate", {}))
         runners.append(
             TransformersRunner(f"transformers prompt lookup (k={cfg.k})", hf, "lookup", {"k": cfg.k})
         )
-        if cfg.draft:
-            draft_dtype = _draft_dtype(cfg, dtype)
+        if cfg.draft and _draft_format(cfg, dtype)[1] is None:
+            draft_dtype = _draft_format(cfg, dtype)[0]
             hf_draft = load_transformers(resolve(cfg.draft, draft_dtype), cfg.device, draft_dtype)
             const = {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "constant"}
             runners.append(
@@ -244,10 +252,11 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
 INV_BASE = "ours target-only (batch-invariant)"
 
 
-def _draft_dtype(cfg: ModelBenchConfig, dtype: torch.dtype) -> torch.dtype:
-    from ..options import DTYPES
+def _draft_format(cfg: ModelBenchConfig, dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
+    """(activation dtype, quantization) of the draft model: --draft-dtype, else the target's dtype."""
+    from ..options import weight_format
 
-    return getattr(torch, DTYPES[cfg.draft_dtype]) if cfg.draft_dtype else dtype
+    return weight_format(cfg.draft_dtype) if cfg.draft_dtype else (dtype, None)
 
 
 def _inv_method(cfg: ModelBenchConfig) -> str:
@@ -312,9 +321,9 @@ def _pass_at_1(target, prompts: list[dict], runs: dict[str, list[Run]], chat: bo
 
 
 def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
-    from ..options import DTYPES
+    from ..options import weight_format
 
-    dtype = getattr(torch, DTYPES[cfg.dtype])
+    dtype, quant = weight_format(cfg.dtype)
     prompts = read_prompts(cfg.prompts)
     known = sorted({p["category"] for p in prompts})
     for c in cfg.categories:
@@ -329,7 +338,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         by_cat = {c: ps[: cfg.per_category] for c, ps in by_cat.items()}
 
     rss0 = _rss_mb()
-    target = load(cfg.target, dtype=dtype, device=cfg.device)
+    target = load(cfg.target, dtype=dtype, device=cfg.device, quant=quant)
     rss_model = _rss_mb() - rss0
     ids = {c: [_encode(target, p, cfg.chat) for p in ps] for c, ps in by_cat.items()}
     runners = _runners(cfg, target, dtype, log)
@@ -341,6 +350,19 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     costs = forward_costs(target, context=160, widths=(1, k1), repeats=3, calls=10)
     weight_bytes = _weight_bytes(target)
     bw = read_bandwidth(dtype) if cfg.device == "cpu" else float("nan")
+    draft_model = next(
+        (r.gen.drafter.model for r in runners if isinstance(r, OursRunner) and r.gen.drafter is not None),
+        None,
+    )
+    draft_info = None
+    if draft_model is not None:  # c by forwards: the draft's step over the target's
+        d1 = forward_costs(draft_model, context=160, widths=(1,), repeats=3, calls=10)[1]
+        draft_info = {
+            "weights": getattr(draft_model, "quant", None) or str(draft_model.dtype).replace("torch.", ""),
+            "weight_bytes": _weight_bytes(draft_model),
+            "T(1)_ms": round(d1 * 1e3, 3),
+            "c_forward": round(d1 / costs[1], 3),
+        }
     floor_tps = bw / weight_bytes
 
     warm = ids[chosen[0]][0][:64]
@@ -438,7 +460,9 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         },
         "runtime": {
             "parameters": target.num_parameters(),
+            "weights": cfg.dtype,
             "weight_bytes": weight_bytes,
+            "draft": draft_info,
             "read_bandwidth_gb_s": round(bw / 1e9, 2),
             "memory_floor_tokens_per_s": round(floor_tps, 2),
             "ours_target_only_fraction_of_floor": round(ours_tps / floor_tps, 3),
@@ -505,6 +529,12 @@ def markdown(res: dict) -> str:
         "the weight bytes).",
         "",
     ]
+    d = rt.get("draft")
+    if d:
+        lines[-1:-1] = [
+            f"Draft: {d['weights']}, {d['weight_bytes'] / 1e6:.0f} MB per token, T(1) {d['T(1)_ms']} ms: "
+            f"c = {d['c_forward']} of the target's ({rt.get('weights', '')}) forward.",
+        ]
     names = res["runners"]
     lines.append("| category | prompts | " + " | ".join(names) + " |")
     lines.append("|---|---|" + "---|" * len(names))

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..options import DTYPES, add_spec_flags
+from ..options import DTYPE_HELP, WEIGHT_FORMATS, add_spec_flags
 
 
 def register(sub) -> None:
@@ -54,18 +54,13 @@ def register(sub) -> None:
         "--target", metavar="MODEL", help="known name (smollm2-135m), bundled name or model directory"
     )
     t.add_argument("--draft", metavar="MODEL", help="draft model (method draft; adds transformers assisted)")
-    add_spec_flags(t, ("method", "heads", "tree", "policy", "ngram_max", "ngram_min"))
+    add_spec_flags(t, ("method", "heads", "tree", "policy", "ngram_max", "ngram_min", "draft_dtype"))
     t.add_argument(
         "--category", action="append", help="only these categories (repeatable; default all of --prompts)"
     )
     t.add_argument("--limit", type=int, help="prompts per category (default all; --quick 2)")
     t.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    t.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weight type (default fp32)")
-    t.add_argument(
-        "--draft-dtype",
-        choices=tuple(DTYPES),
-        help="the draft model's weight type (default --dtype; never changes the output, only its cost)",
-    )
+    t.add_argument("--dtype", default="fp32", choices=WEIGHT_FORMATS, help=DTYPE_HELP)
     t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when it is installed")
     t.add_argument(
         "--no-invariance",

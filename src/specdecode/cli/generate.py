@@ -88,6 +88,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--prompt is empty; give at least one character")
     if args.num_return_sequences < 1:
         raise SpecDecodeError(f"--num-return-sequences must be >= 1, got {args.num_return_sequences}")
+    if args.draft_dtype and not args.draft and args.method not in ("eagle", "eagle3", "medusa", "auto"):
+        raise SpecDecodeError(
+            "--draft-dtype needs --draft MODEL (or a method with trained heads: eagle, eagle3, medusa)"
+        )
     config = spec_config(args, method=args.method or ("draft" if args.draft else None))
     if args.cost_model and args.policy != "optimal":
         raise SpecDecodeError("--cost-model is read by --policy optimal only")

@@ -26,7 +26,16 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens already in each row's KV cache")
     p.add_argument("--batch", default="1,2,4,8,16,32,64,128,256,512", help="comma-separated batch sizes")
     p.add_argument("--max-k", type=int, default=8, help="largest k to consider (default 8)")
-    p.add_argument("--dtype", default="bf16", help="weight and KV type (default bf16)")
+    p.add_argument(
+        "--dtype",
+        default="bf16",
+        help="weights: fp32, bf16 (default), fp16, fp8, int8, w8a8, int4, int4-g128 (the KV cache: the "
+        "float type, bf16 for quantized weights)",
+    )
+    p.add_argument(
+        "--draft-dtype",
+        help="the draft's weights (default --dtype): a quantized draft reads fewer bytes, so c falls",
+    )
     p.add_argument("--compute-efficiency", type=float, default=1.0, help="achieved fraction of peak FLOPs")
     p.add_argument("--bandwidth-efficiency", type=float, default=1.0, help="achieved fraction of bandwidth")
     p.add_argument(
@@ -55,5 +64,6 @@ def _plan(args: argparse.Namespace) -> int:
         compute_efficiency=args.compute_efficiency,
         bandwidth_efficiency=args.bandwidth_efficiency,
         verify_tokens=args.verify_tokens,
+        draft_dtype=args.draft_dtype,
     )
     return show(result, args)

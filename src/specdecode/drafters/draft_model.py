@@ -25,7 +25,9 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     supports_tree = True
 
-    def __init__(self, draft: CausalLM, target: CausalLM) -> None:
+    def __init__(self, draft: CausalLM, target: CausalLM, draft_vocab=None) -> None:
+        """draft_vocab: the draft's head over only its N most frequent tokens (an int N, or a JSON
+        file of token ids in frequency order; models/draft_vocab.py), FR-Spec; None: all."""
         if draft.vocab_size != target.vocab_size:
             raise SpecDecodeError(
                 f"vocabulary mismatch: target has {target.vocab_size} tokens, draft has "
@@ -36,6 +38,12 @@ class DraftModelDrafter(Drafter):
                 f"the draft is on {draft.device} and the target on {target.device}; load both on one device"
             )
         self.model = draft
+        if draft_vocab is not None:
+            from ..models.draft_vocab import ReducedHeadModel, frequent_ids
+
+            if not draft.lean:
+                raise SpecDecodeError("a draft vocabulary needs our lean runtime for the draft model")
+            self.model = ReducedHeadModel(draft, frequent_ids(draft, draft_vocab))
 
     @property
     def weights_dtype(self) -> str | None:
@@ -51,7 +59,7 @@ class DraftModelDrafter(Drafter):
     def create(cls, target, draft, config) -> DraftModelDrafter:
         if draft is None:
             raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
-        return cls(draft, target)
+        return cls(draft, target, config.draft_vocab)
 
     def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
         state = DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))

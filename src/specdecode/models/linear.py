@@ -143,11 +143,15 @@ class Linear:
             cols.append(torch.ops.mkldnn._linear_pointwise(eye, self.weight, None, "none", [], ""))
         return torch.cat(cols).t()
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight as float32 [out, in], for one many-row product (the copy lives for the call)."""
+        return self.weight.float()
+
     def _upcast_product(self, x: torch.Tensor) -> torch.Tensor:
         """Many rows (a prefill) through an unpacked bf16/fp16 weight on a CPU without native
         bf16 GEMM: in float32, where the product is fast (the 0.5B draft's 80-token prefill:
         ~4 s in bf16); the weight's float32 copy lives for this call only."""
-        w, b = self.weight.float(), None if self.bias is None else self.bias.float()
+        w, b = self.float_weight(), None if self.bias is None else self.bias.float()
         if swap_fp32():  # oneDNN, as for fp32 weights: the draft's 80-token prefill 2.7 -> 1.8 s
             out = torch.ops.mkldnn._linear_pointwise(w, x.float().contiguous(), None, "none", [], "")
             out = out.t().contiguous()

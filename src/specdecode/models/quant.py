@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
-from .linear import Linear
+from .linear import UPCAST_FROM_ROWS, Linear
 
 # weight format name -> (bits, group size; None: one scale per output row). w8a8: int8 weights
 # per row times int8 activations quantized per row on the fly (DynamicInt8Linear)
@@ -136,6 +136,12 @@ class QuantLinear(Linear):
             self.weight = weight.q.contiguous()
             self.scales = weight.scales.to(ACT_DTYPE)
         else:  # the packing takes whole tiles of 16 outputs: pad with zero rows, slice them off
+            # and the same 4-bit values two to a byte (as many bytes again), from which a prefill
+            # dequantizes the weight: the int4 kernel's cost grows with the rows (1 -> 150 rows:
+            # ~60x), an fp32 GEMM over the dequantized copy's does not
+            self.nibbles = (weight.q[:, 0::2] | (weight.q[:, 1::2] << 4)).contiguous()
+            self.group_scales = weight.scales.to(ACT_DTYPE)  # bf16-valued already: exact
+            self.group_zeros = weight.zeros.to(ACT_DTYPE)
             pad_out = -self.out_features % 16
             q = F.pad(weight.q.to(torch.int32), (0, 0, 0, pad_out), value=8)
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -145,8 +151,20 @@ class QuantLinear(Linear):
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
     ) -> torch.Tensor:
-        out = super().__call__(x.to(ACT_DTYPE), invariant=invariant).to(x.dtype)
+        if x.shape[0] >= UPCAST_FROM_ROWS and not invariant:  # a prefill: one fp32 GEMM
+            out = self._upcast_product(x.float()).to(x.dtype)
+        else:
+            out = super().__call__(x.to(ACT_DTYPE), invariant=invariant).to(x.dtype)
         return out if residual is None else out.add_(residual)
+
+    def float_weight(self) -> torch.Tensor:
+        if self.bits == 8:
+            return self.weight.float() * self.scales.float().view(-1, 1)
+        n, g = self.out_features, self.group
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).view(n, -1).float()
+        s, z = self.group_scales.float().view(n, -1, 1), self.group_zeros.float().view(n, -1, 1)
+        w = (q - 8).view(n, -1, g).mul_(s).add_(z)
+        return w.view(n, -1)[:, : self.in_features]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(ACT_DTYPE).contiguous()
