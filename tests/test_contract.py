@@ -2,7 +2,9 @@
 policies, keeps the target's greedy tokens (alone and in a ragged batch) and, sampled, the
 target's two-token joint distribution through the whole engine (TV within sampling noise and
 chi-square, at equal sample size), each sampled family with a negative control that the same
-check must reject. One table per property; a new method is a new row.
+check must reject; under the invariant sampling rule a seeded sample is seeded target-only's
+text, token for token (alone, and in a batch with other rows admitted mid-run). One table per
+property; a new method is a new row.
 
 Model kinds beyond these float64 / fp32 / bf16 Llama pairs have their own files, with their own
 fixtures: hybrid targets (test_hybrid.py, every method with both rollbacks), Qwen2 / Qwen3
@@ -44,6 +46,8 @@ def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGen
         kw["cost_model"] = CHEAP
     if kw.get("policy") == "confidence":
         kw["confidence_threshold"] = 0.5
+    if method == "target-only":
+        return SpeculativeGenerator(target)
     use_draft = method == "draft" or opts.get("with_draft", False)
     if method in ("eagle", "eagle3", "medusa") or (
         method == "auto" and not (use_draft or opts.get("suffix_only"))
@@ -162,9 +166,10 @@ def joint_run(v16, case, seed=9, n=RUNS, prompts=None):
     method, opts, prompt = case
     opts = dict(opts)
     target, draft = models[opts.pop("dtype", "fp64")]
+    rule = opts.pop("rule", "standard")
     gen = generator(target, draft, heads, method, **opts)
     prompts = prompts or [prompt]
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed, ignore_eos=True, sampling_rule=rule)
     results = gen.generate([prompts[i % len(prompts)] for i in range(n)], seeded(params, n))
     V = target.vocab_size
     out = []
@@ -211,3 +216,84 @@ def test_auto_keeps_the_joint_mixing_suffix_and_eagle3_rows_in_one_batch(v16):
         ok, msg = check_distribution(pairs, joint)
         assert ok, msg
     assert 0 < accepted < tested
+
+
+# -- the invariant rule: a seed fixes the text, whatever drafts -----------------------------
+
+INVARIANT_CASES = [
+    *[("draft", {"k": k}) for k in (1, 2, 4, 8)],
+    *[("draft", {"k": 3, "policy": p}) for p in POLICIES[1:]],
+    *[(m, {"k": 3, "policy": p}) for m in ("ngram", "early-exit") for p in ("fixed", "confidence")],
+    *[("draft", {"tree": t}) for t in ("3,2", "4,2,1", JSON_TREE)],
+    *[("draft", {"tree": "3,2", "sampling": s}) for s in ("with-replacement", "without-replacement")],
+    *[(m, {"k": 4, "tree": t}) for m in ("medusa", "eagle", "eagle3") for t in (None, "2,2")],
+    ("suffix", {"k": 4}),
+    ("auto", {"k": 4}),
+    ("auto", {"k": 4, "with_draft": True}),
+    ("draft", {"k": 4, "draft_dtype": "int4"}),
+    ("draft", {"k": 4, "draft_vocab": 40}),
+]
+INVARIANT = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_rule="invariant")
+
+
+def invariant_params(i: int, **kw) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(INVARIANT, **{"seed": 100 + i, **kw})
+
+
+@pytest.fixture(scope="module")
+def invariant64(lean64):
+    target, draft, heads, _ = lean64
+    params = [invariant_params(i) for i in range(len(PROMPTS))]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(PROMPTS, params)]
+    return target, draft, heads, want
+
+
+@pytest.mark.filterwarnings("ignore::specdecode.drafters.early_exit.UntrainedExitWarning")
+@pytest.mark.parametrize("case", INVARIANT_CASES, ids=case_id)
+def test_invariant_sample_equals_seeded_target_only_alone_and_in_a_mixed_batch(invariant64, case):
+    """Seeded T = 1 rows under the invariant rule give target-only's text for every method: alone,
+    and 8 to a batch beside standard-rule, unseeded and greedy rows, half admitted mid-run."""
+    target, draft, heads, want = invariant64
+    method, opts = case
+    gen = generator(target, draft, heads, method, **opts)
+    alone = [gen.generate([p], invariant_params(i))[0] for i, p in enumerate(PROMPTS)]
+    assert [r.token_ids for r in alone] == want
+    assert sum(r.stats.drafted for r in alone) > 0  # the method really drafted
+    if method != "suffix":  # copies of random text rarely equal a T = 1 sample
+        assert 0 < sum(r.stats.accepted for r in alone)  # some drafts equalled the target's sample
+    for lo in (0, 6):  # two batches of 6 invariant rows + others
+        mine = list(range(lo, lo + 6))
+        others = [
+            (PROMPTS[lo], invariant_params(50, seed=None)),  # unseeded: a key drawn at admission
+            (PROMPTS[lo + 1], invariant_params(51, sampling_rule="standard")),
+            (PROMPTS[lo + 2], invariant_params(52, temperature=0)),
+        ]
+        run = gen.stream(
+            [PROMPTS[i] for i in mine[:3]] + [others[0][0]],
+            [invariant_params(i) for i in mine[:3]] + [others[0][1]],
+        )
+        next(run)
+        next(run)  # two rounds in: admit the rest
+        late = run.add_many([PROMPTS[i] for i in mine[3:]], [invariant_params(i) for i in mine[3:]])
+        run.add_many([o[0] for o in others[1:]], [o[1] for o in others[1:]])
+        results = run.results()
+        got = [results[r].token_ids for r in [0, 1, 2, *late]]
+        assert got == [want[i] for i in mine]
+
+
+INVARIANT_JOINT_CASES = [
+    ("target-only", {"rule": "invariant"}, PROMPT),
+    ("draft", {"k": 2, "rule": "invariant"}, PROMPT),
+    ("draft", {"tree": "2,2", "rule": "invariant"}, PROMPT),
+]
+# every other method gives target-only's text token for token (the table above), hence its joint
+
+
+@pytest.mark.parametrize("case", INVARIANT_JOINT_CASES, ids=joint_id)
+def test_invariant_rule_keeps_the_two_token_joint(v16, case):
+    [(pairs, joint)], accepted, tested = joint_run(v16, case)
+    ok, msg = check_distribution(pairs, joint)
+    assert ok, msg
+    assert case[0] == "target-only" or 0 < accepted < tested

@@ -208,6 +208,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "sampling_rule": "fair"}, 400, "sampling_rule"),
 ]
 
 
@@ -441,6 +442,55 @@ def test_load_aware_policy_never_caps_seeded_sampled_rows():
     params = [SamplingParams(temperature=0)] * 16 + [SamplingParams(temperature=1.0, seed=3)] * 16
     ks = policy_with(params).next_k()
     assert ks[16:] == [4] * 16  # their k decides their uniforms: capping would change their output
+
+
+def test_load_aware_policy_caps_invariant_rule_rows_like_greedy_ones():
+    inv = SamplingParams(temperature=1.0, seed=3, sampling_rule="invariant")
+    ks = policy_with([SamplingParams(temperature=0)] * 16 + [inv] * 16).next_k()
+    assert ks[16:] == ks[:16] and ks[0] < 4  # no draft length changes their text
+
+
+# -- a seed fixes the answer (the invariant rule, the server's default for seeded requests) ----
+
+
+def test_a_seeded_request_gives_one_answer_alone_in_a_row_and_among_48_concurrent_clients(
+    server, chat_target
+):
+    """The same seeded T = 1 request: three times in a row, then 16 copies among 48 concurrent
+    clients (greedy, unseeded and other seeded ones, so the batch, the load-aware cap and the
+    suffix cache all change): one answer, and it is offline seeded target-only decoding's."""
+    body = {"model": MODEL, "prompt": "玄德曰：「", "max_tokens": 24, "temperature": 1.0, "seed": 7}
+    first = [post(server, "/v1/completions", body) for _ in range(3)]
+    assert all(code == 200 for code, _ in first)
+    answer = first[0][1]["choices"][0]["text"]
+    assert [o["choices"][0]["text"] for _, o in first] == [answer] * 3
+    assert first[0][1]["speculative"]["sampling_rule"] == "invariant"
+    target = load(chat_target)
+    offline = SpeculativeGenerator(target, batch_invariant=True).generate(
+        ["玄德曰：「"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=24, sampling_rule="invariant")
+    )
+    assert offline[0].text == answer
+
+    def request(i: int) -> tuple[int, dict]:
+        if i % 3 == 0:
+            return post(server, "/v1/completions", body)
+        other = {"model": MODEL, "prompt": PROMPTS[i % 32], "max_tokens": 16 + i % 9, "ignore_eos": True}
+        other |= [{"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.7, "seed": i}][i % 3 - 1]
+        return post(server, "/v1/completions", other)
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        together = list(pool.map(request, range(48)))
+    assert all(code == 200 for code, _ in together)
+    copies = [o["choices"][0]["text"] for i, (_, o) in enumerate(together) if i % 3 == 0]
+    assert copies == [answer] * 16
+
+
+def test_a_request_may_ask_for_the_standard_rule(server):
+    body = {"model": MODEL, "prompt": "玄德", "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    code, out = post(server, "/v1/completions", body | {"sampling_rule": "standard"})
+    assert code == 200 and out["speculative"]["sampling_rule"] == "standard"
+    code, out = post(server, "/v1/completions", body | {"temperature": 0})
+    assert out["speculative"]["sampling_rule"] == "greedy"
 
 
 # a cost table under which drafting pays only in a very large batch, so in one run the cap is k

@@ -62,7 +62,7 @@ class Generation:
         logits, hidden = self.target.forward(tokens, cache, meta)  # [B, 1 + width, V], [.., d] | None
         t2 = time.perf_counter()
         # 4. verify: how many drafts each row keeps, and the one token the target adds
-        verdict = verify_proposal(proposal, logits, rows.warp, rows.rng)
+        verdict = verify_proposal(proposal, logits, rows.warp, rows.rng, rows.lengths)
         logprobs = token_logprobs(logits, verdict, rows.params)
         # 5. commit: the accepted drafts stay in the caches, the tokens join the rows
         self._commit(verdict, hidden)

@@ -145,6 +145,27 @@ OPTIONS: tuple[Option, ...] = (
 BY_FIELD = {o.field: o for o in OPTIONS}
 
 
+SAMPLING_RULE_HELP = (
+    "how sampled tokens are drawn, both exact: standard (rejection sampling from each row's own "
+    "generator; with a seed the text is fixed for one drafter, k and batch) or invariant (the token at "
+    "position t is argmax p_t / E_t with Exp(1) noise keyed by (seed, t); the drafter guesses with the "
+    "same noise: a seed fixes the text whatever the drafter, k, tree or batch, at some acceptance; "
+    "docs/sampling-rules.md)"
+)
+
+
+def add_sampling_rule_flag(parser, default: str = "standard", extra: str = "") -> None:
+    """--sampling-rule (generate, bench, serve): SamplingParams.sampling_rule."""
+    from .sampling import SAMPLING_RULES
+
+    parser.add_argument(
+        "--sampling-rule",
+        default=default,
+        choices=SAMPLING_RULES,
+        help=SAMPLING_RULE_HELP + (f"; {extra}" if extra else f" (default {default})"),
+    )
+
+
 def add_spec_flags(parser, names: tuple[str, ...] | None = None, **defaults: Any) -> None:
     """Add the flags of these options (all by default) to an argparse parser or group; `defaults`
     overrides SpecConfig's default for this command (None: the command decides later, e.g. per

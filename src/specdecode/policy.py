@@ -268,10 +268,10 @@ class LoadAwarePolicy:
     cap is 0 only because acceptance looks low, it probes with one draft token after
     `probe_every` rounds, doubling the wait after each probe that changes nothing.
 
-    Rows sampled (temperature > 0) under a seed are never capped: their draft lengths decide
-    which uniforms they draw, so capping them by load would make a seeded output depend on
-    what else is running. Greedy and unseeded rows are capped freely (exactness holds for any
-    draft length)."""
+    Rows sampled (temperature > 0) under a seed by the standard rule are never capped: their
+    draft lengths decide which uniforms they draw, so capping them by load would make a seeded
+    output depend on what else is running. Greedy, unseeded and invariant-rule rows (whose text
+    no draft length changes) are capped freely (exactness holds for any draft length)."""
 
     def __init__(
         self, inner, costs: LoadCosts, params_of, min_tests: int = 16, probe_every: int = 16
@@ -320,7 +320,7 @@ class LoadAwarePolicy:
         if not ks:
             return ks
         params = self.params_of()
-        exempt = [p.seed is not None and p.temperature > 0 for p in params]
+        exempt = [p.seed is not None and p.temperature > 0 and not p.keyed for p in params]
         cost = self.costs.at(len(ks))
         alphas = [self.alpha(row) for row in self.rows]
         if self.pool[0] < self.min_tests:  # explore: a few rejections must not decide

@@ -38,7 +38,7 @@ class Rows:
             lengths,
             params,
             Warp.from_params(params, device),
-            RowRandom([s.seed for s in params], device),
+            RowRandom([s.seed for s in params], device, [s.keyed for s in params]),
         )
 
     @property
@@ -59,6 +59,7 @@ class Rows:
         write = torch.arange(W, device=tokens.device).view(1, W) < counts.view(B, 1)
         self.tokens.scatter_(1, pos, torch.where(write, tokens, self.tokens.gather(1, pos)))
         self.lengths = self.lengths + counts
+        self.rng.forget_before(self.lengths)
 
     def select(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)

@@ -4,6 +4,18 @@ The same warp is applied to the target's and the drafter's logits; the target's 
 distribution is the one the output must follow. Temperature 0 means greedy: the
 distribution is one-hot on the argmax (first index on ties), so the general acceptance
 rule and the greedy rule agree.
+
+Two sampling rules keep that distribution exactly (`SamplingParams.sampling_rule`):
+
+- "standard": each row draws from its own generator, in the order its rounds need numbers
+  (rejection sampling, Leviathan et al.); a seed fixes the text of one configuration, but
+  another drafter, k or batch draws other numbers and gives another (equally exact) sample.
+- "invariant": drafter-invariant speculative sampling (Daliri, Musco, Suresh 2024). The token at
+  absolute position t is y_t = argmax_x p_t(x) / E_t(x), E_t(x) ~ Exp(1) i.i.d. (an exponential
+  race: an exact sample from p_t), with E_t a function of (row seed, t) only, read from a
+  counter-based generator (`position_noise`). The drafter guesses with the same noise,
+  argmax_x q_t(x) / E_t(x), and a guess is kept while it equals y_t; so the text depends on the
+  seed and the target alone, and the drafter only changes how many tokens a round keeps.
 """
 
 from __future__ import annotations
@@ -12,9 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from .errors import SpecDecodeError
+
+SAMPLING_RULES = ("standard", "invariant")
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,9 @@ class SamplingParams:
     # None: no logprobs; n >= 0: each emitted token's log-probability under the target's own
     # (unwarped) distribution, plus the n most likely alternatives
     logprobs: int | None = None
+    # "standard" (rejection sampling from the row's generator) or "invariant" (noise keyed by
+    # (seed, position): the same text for any drafter, k, tree or batch); see the module doc
+    sampling_rule: str = "standard"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +78,16 @@ class SamplingParams:
             raise SpecDecodeError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SpecDecodeError(f"logprobs must be in [0, 20] alternatives, got {self.logprobs}")
+        if self.sampling_rule not in SAMPLING_RULES:
+            raise SpecDecodeError(
+                f"sampling rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling_rule!r}"
+            )
+
+    @property
+    def keyed(self) -> bool:
+        """It samples with noise keyed by (seed, position): the invariant rule at temperature > 0
+        (a greedy row is the same under both rules)."""
+        return self.sampling_rule == "invariant" and self.temperature > 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +98,7 @@ class Warp:
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float
     min_p: torch.Tensor  # [B] float
+    keyed: torch.Tensor  # [B] bool: samples by the invariant rule (SamplingParams.keyed)
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> Warp:
@@ -78,6 +107,7 @@ class Warp:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+            keyed=torch.tensor([p.keyed for p in params], dtype=torch.bool, device=device),
         )
 
     @staticmethod
@@ -93,8 +123,22 @@ class Warp:
         """Per row: it samples (temperature > 0), so it draws random numbers."""
         return (self.temperature > 0).tolist()
 
+    @cached_property
+    def invariant(self) -> list[bool]:
+        """Per row: it samples by the invariant rule (noise keyed by seed and position)."""
+        return self.keyed.tolist()
+
+    @cached_property
+    def streamed(self) -> list[bool]:
+        """Per row: it samples by the standard rule (numbers drawn from its generator's stream)."""
+        return [s and not k for s, k in zip(self.sampled, self.invariant)]
+
+    @cached_property
+    def any_invariant(self) -> bool:
+        return any(self.invariant)
+
     def select(self, rows: torch.Tensor) -> Warp:
-        return Warp(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
+        return Warp(*(getattr(self, f.name)[rows] for f in fields(Warp)))
 
     def extend(self, other: Warp) -> Warp:
         """These rows, then other's (admission)."""
@@ -146,15 +190,42 @@ def sample(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
     return (probs / exp_noise).argmax(-1)
 
 
-class RowRandom:
-    """One torch.Generator per row, each seeded from its row's SamplingParams.seed (fresh
-    entropy when unseeded). Every draw is made row by row from the row's own generator, and a
-    row draws only what its own round needs, so a seeded row gives the same samples alone or
-    in any batch."""
+_MASK64 = 2**64 - 1
 
-    def __init__(self, seeds: Sequence[int | None], device: torch.device | str = "cpu") -> None:
+
+def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[vocab] float64 Exp(1) noise of absolute position `position` under `seed`: Philox4x64
+    (numpy's counter-based generator) keyed by the pair (seed mod 2**64, position), so the same
+    pair gives the same noise whoever asks and whenever, and two different pairs independent
+    streams. The invariant rule's E_t."""
+    key = (seed & _MASK64) | (position << 64)
+    return torch.from_numpy(np.random.Generator(np.random.Philox(key=key)).standard_exponential(vocab))
+
+
+class RowRandom:
+    """Each row's randomness. A row under the standard rule has one torch.Generator, seeded from
+    its SamplingParams.seed (fresh entropy when unseeded); every draw is made row by row from the
+    row's own generator, and a row draws only what its own round needs, so a seeded row gives
+    the same samples alone or in any batch (of the same drafter and k). A row under the
+    invariant rule (`keyed[b]`) has a key instead, its seed (or one drawn once, now, when it has
+    none), and reads the noise of each position it samples from position_noise: nothing depends
+    on how many numbers anyone drew before."""
+
+    def __init__(
+        self,
+        seeds: Sequence[int | None],
+        device: torch.device | str = "cpu",
+        keyed: Sequence[bool] | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.generators = [self._generator(s) for s in seeds]
+        keyed = [False] * len(seeds) if keyed is None else list(keyed)
+        self.keys: list[int | None] = [
+            (g.initial_seed() if s is None else s) if k else None
+            for g, s, k in zip(self.generators, seeds, keyed)
+        ]
+        # per keyed row, the noise of the positions this round reads (drafter, then verifier)
+        self._cache: list[dict[int, torch.Tensor]] = [{} for _ in seeds]
 
     def _generator(self, seed: int | None) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -173,22 +244,62 @@ class RowRandom:
                 out[b, :n] = torch.rand(n, dtype=torch.float64, device=self.device, generator=g)
         return out
 
-    def exp_noise(self, vocab: int, draw: Sequence[bool] | None = None) -> torch.Tensor:
-        """[B, V] float64 Exp(1) noise for sampling argmax(probs / noise); rows with draw[b]
-        False get ones (their argmax is the most likely token) and leave their generator alone."""
+    def exp_noise(
+        self, vocab: int, draw: Sequence[bool] | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, V] float64 Exp(1) noise for sampling argmax(probs / noise). Rows with draw[b] False
+        get ones (their argmax is the most likely token) and leave their generator alone; a keyed
+        row reads the noise of its position positions[b] ([B] long), a streamed row draws from its
+        generator."""
         gens = self.generators
-        if len(gens) == 1 and (draw is None or draw[0]):
+        if len(gens) == 1 and (draw is None or draw[0]) and self.keys[0] is None:
             return torch.empty(1, vocab, dtype=torch.float64, device=self.device).exponential_(
                 generator=gens[0]
             )
         out = torch.ones(len(gens), vocab, dtype=torch.float64, device=self.device)
         for b, g in enumerate(gens):
             if draw is None or draw[b]:
-                out[b].exponential_(generator=g)
+                if self.keys[b] is None:
+                    out[b].exponential_(generator=g)
+                else:
+                    if positions is None:
+                        raise ValueError("a keyed row's noise needs its position")
+                    out[b] = self._keyed(b, int(positions[b]), vocab)
         return out
+
+    def keyed_noise(self, vocab: int, positions: torch.Tensor, rows: Sequence[bool]) -> torch.Tensor:
+        """[B, W, V] float64: for each keyed row b with rows[b], the noise of positions[b, j]
+        ([B, W] long); ones elsewhere."""
+        B, W = positions.shape
+        out = torch.ones(B, W, vocab, dtype=torch.float64, device=self.device)
+        pos = positions.tolist()
+        for b in range(B):
+            if rows[b] and self.keys[b] is not None:
+                for j in range(W):
+                    out[b, j] = self._keyed(b, pos[b][j], vocab)
+        return out
+
+    def _keyed(self, b: int, position: int, vocab: int) -> torch.Tensor:
+        """Row b's noise at a position, drawn once: the drafter reads a round's positions, then
+        the verifier the same ones and one more (forget_before drops the committed ones)."""
+        cache = self._cache[b]
+        noise = cache.get(position)
+        if noise is None or noise.shape[0] != vocab:
+            noise = cache[position] = position_noise(self.keys[b], position, vocab).to(self.device)
+        return noise
+
+    def forget_before(self, lengths: torch.Tensor) -> None:
+        """Row b's tokens before lengths[b] are final: their noise is never read again."""
+        for cache, n in zip(self._cache, lengths.tolist()):
+            for old in [p for p in cache if p < n]:
+                del cache[old]
 
     def select(self, rows: Sequence[int]) -> None:
         self.generators = [self.generators[i] for i in rows]
+        self.keys = [self.keys[i] for i in rows]
+        self._cache = [self._cache[i] for i in rows]
 
     def extend(self, other: RowRandom) -> None:
         self.generators += other.generators
+        self.keys += other.keys
+        self._cache += other._cache

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import RowRandom, Warp, logits_to_probs, sample
-from .tree import TokenTree, verify_tree
+from .tree import TokenTree, TreeVerdict, verify_tree
 
 
 @dataclass
@@ -158,54 +158,125 @@ def verify_greedy(
     return Verdict(accepted, tokens, torch.ones(B, k, device=dev), as_prob, as_prob, None, accepted_mask, n)
 
 
-def verify_proposal(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng: RowRandom) -> Verdict:
+def verify_invariant(
+    draft_tokens: torch.Tensor,  # [B, k] long
+    target_probs: torch.Tensor,  # [B, k+1, V] warped
+    noise: torch.Tensor,  # [B, k+1, V] Exp(1): E_t of each position, keyed by (seed, t)
+    draft_lengths: torch.Tensor | None = None,  # [B] long
+    draft_probs: torch.Tensor | None = None,  # [B, k, V] (only reported)
+) -> Verdict:
+    """The invariant rule (sampling.py): the target's token at each position is
+    y_t = argmax p_t / E_t, an exact sample from p_t; drafts are kept while they equal y_t and
+    the first y_t that differs (or the one after the last draft) is emitted. That is the greedy
+    rule on the perturbed scores p / E, so the emitted tokens are a function of p and E alone."""
+    v = verify_greedy(draft_tokens, target_probs / noise, draft_lengths)
+    k = draft_tokens.shape[1]
+    v.target_prob = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()
+    if draft_probs is not None:
+        v.draft_prob = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double()
+    return v
+
+
+def _merge(mask: torch.Tensor, a: Verdict, b: Verdict) -> Verdict:
+    """Row r from a where mask[r], else from b (a batch mixing the two sampling rules)."""
+
+    def pick(x, y):
+        if x is None or y is None:
+            return x if y is None else y
+        m = mask.view(-1, *([1] * (x.dim() - 1)))
+        return torch.where(m, x, y.to(x.dtype))
+
+    return Verdict(
+        pick(a.accepted, b.accepted),
+        pick(a.tokens, b.tokens),
+        pick(a.draft_prob, b.draft_prob),
+        pick(a.target_prob, b.target_prob),
+        pick(a.accept_prob, b.accept_prob),
+        b.uniforms if b.uniforms is not None else a.uniforms,
+        pick(a.accepted_mask, b.accepted_mask),
+        pick(a.draft_lengths, b.draft_lengths),
+    )
+
+
+def verify_proposal(
+    proposal: Proposal,
+    logits: torch.Tensor,
+    warp: Warp,
+    rng: RowRandom,
+    positions: torch.Tensor | None = None,
+) -> Verdict:
     """The one verifier of a round: logits [B, 1 + width, V] of the target at the pending token
     and every draft (or tree node) -> the Verdict. Greedy batches compare argmaxes; sampled rows
-    use the exact rules, drawing from their own generators only what their drafts need."""
+    use the exact rules, drawing from their own generators only what their drafts need; rows
+    under the invariant rule read the noise of positions[b] + j ([B] long: the absolute position
+    of the first token this round emits; needed only when such rows exist)."""
+    if warp.any_invariant and positions is None:
+        raise ValueError("rows under the invariant rule need the round's positions")
     if proposal.tree is not None:
-        return _verify_tree_round(proposal, logits, warp, rng)
+        return _verify_tree_round(proposal, logits, warp, rng, positions)
     B, k = proposal.tokens.shape
     V = logits.shape[-1]
     if k == 0:  # nothing drafted: one target token per row, none of the chain machinery
         if warp.all_greedy:
             return Verdict.plain(logits[:, 0].argmax(-1))
-        return Verdict.plain(sample(logits_to_probs(logits, warp)[:, 0], rng.exp_noise(V, warp.sampled)))
+        probs = logits_to_probs(logits[:, :1], warp)[:, 0]
+        return Verdict.plain(sample(probs, rng.exp_noise(V, warp.sampled, positions)))
     n = proposal.draft_lengths()
     if warp.all_greedy:
         return verify_greedy(proposal.tokens, logits, n)
-    counts = [nb if s else 0 for nb, s in zip(n.tolist(), warp.sampled)]
-    return verify_chain(
+    probs = logits_to_probs(logits, warp)
+    keyed = None
+    if warp.any_invariant:
+        at = positions.view(B, 1) + torch.arange(k + 1, device=positions.device).view(1, k + 1)
+        noise = rng.keyed_noise(V, at, warp.invariant).to(probs.dtype)
+        keyed = verify_invariant(proposal.tokens, probs, noise, n, proposal.probs)
+        if all(warp.invariant):
+            return keyed
+    counts = [nb if s else 0 for nb, s in zip(n.tolist(), warp.streamed)]
+    standard = verify_chain(
         proposal.tokens,
         proposal.probs,
-        logits_to_probs(logits, warp),
+        probs,
         rng.uniforms(counts, k),
-        rng.exp_noise(V, warp.sampled),
+        rng.exp_noise(V, [not i for i in warp.invariant]),
         n,
     )
+    return standard if keyed is None else _merge(warp.keyed, keyed, standard)
 
 
-def _verify_tree_round(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng: RowRandom) -> Verdict:
+def _verify_tree_round(
+    proposal: Proposal, logits: torch.Tensor, warp: Warp, rng: RowRandom, positions: torch.Tensor | None
+) -> Verdict:
     """A token tree's verdict, reported like a chain whose drafts are the accepted path (plus
-    the level where every candidate was rejected); Verdict.path says which nodes to keep."""
+    the level where every candidate was rejected); Verdict.path says which nodes to keep. Rows
+    under the invariant rule walk the tree greedily on p / E, E keyed by each node's position."""
     tree, nodes = proposal.tree, proposal.tokens
     B, D, dev = nodes.shape[0], tree.depth, nodes.device
     greedy = warp.all_greedy
     probs = None if greedy else logits_to_probs(logits, warp)
     V = logits.shape[-1]
-    sampled_rows = None
-    if proposal.probs is not None and not greedy:  # candidates drawn from the drafter's q
-        sampled_rows = torch.tensor(warp.sampled, device=dev)
-    tv = verify_tree(
-        tree,
-        nodes,
-        probs,
-        logits,
-        None if greedy else rng.uniforms([tree.size if s else 0 for s in warp.sampled], tree.size),
-        None if greedy else rng.exp_noise(V, warp.sampled),
-        proposal.probs,
-        sampled_rows,
-        tree.sampling == "without-replacement",
-    )
+    tv = keyed = None
+    if warp.any_invariant and not greedy:
+        at = positions.view(B, 1) + tree.depths().to(dev).view(1, -1)  # input i predicts position + depth(i)
+        noise = rng.keyed_noise(V, at, warp.invariant).to(probs.dtype)
+        keyed = verify_tree(tree, nodes, None, probs / noise, None, None)
+    if not all(warp.invariant) or greedy:
+        sampled_rows = None
+        if proposal.probs is not None and not greedy and tree.sampled:  # candidates drawn from q
+            sampled_rows = torch.tensor(warp.streamed, device=dev)
+        tv = verify_tree(
+            tree,
+            nodes,
+            probs,
+            logits,
+            None if greedy else rng.uniforms([tree.size if s else 0 for s in warp.streamed], tree.size),
+            None if greedy else rng.exp_noise(V, warp.streamed),
+            proposal.probs,
+            sampled_rows,
+            tree.sampling == "without-replacement",
+        )
+    if keyed is not None:
+        tv = keyed if tv is None else _merge_tree(warp.invariant, keyed, tv)
     accepted = torch.tensor([len(p) for p in tv.path], device=dev)
     tokens = torch.tensor([t + [0] * (D + 1 - len(t)) for t in tv.tokens], dtype=torch.long, device=dev)
     # p of each accepted node's token at its parent (the root, then the path's nodes)
@@ -218,3 +289,10 @@ def _verify_tree_round(proposal: Proposal, logits: torch.Tensor, warp: Warp, rng
     mask = torch.arange(D, device=dev).view(1, D) < accepted.view(B, 1)
     ones = torch.ones(B, D, dtype=torch.float64, device=dev)
     return Verdict(accepted, tokens, ones, target_prob, target_prob, None, mask, n_drafts, tv.path)
+
+
+def _merge_tree(mask: list[bool], a: TreeVerdict, b: TreeVerdict) -> TreeVerdict:
+    pick = [
+        x if m else y for m, x, y in zip(mask, zip(a.path, a.tokens, a.bonus), zip(b.path, b.tokens, b.bonus))
+    ]
+    return TreeVerdict([p[0] for p in pick], [p[1] for p in pick], [p[2] for p in pick])

@@ -63,6 +63,7 @@ class BenchConfig:
     quick: bool = False
     transformers: bool = True
     seed: int = 0
+    sampling_rule: str = "standard"
     progress: bool = True
     device: str = "cpu"
 
@@ -90,7 +91,9 @@ class BenchConfig:
 def _ours(family: str, target, draft, cfg: BenchConfig) -> list[Runner]:
     k = cfg.k
     runners: list[Runner] = [
-        OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
+        OursRunner(
+            "ours target-only", SpeculativeGenerator(target), "target-only", "-", {}, cfg.sampling_rule
+        )
     ]
     for method, policy in OURS_QUICK if cfg.quick else OURS_FULL:
         kw: dict = {"k": k, "method": method}
@@ -105,7 +108,9 @@ def _ours(family: str, target, draft, cfg: BenchConfig) -> list[Runner]:
             kw["policy"] = policy
         gen = SpeculativeGenerator(target, **kw)
         settings = {"k": gen.k, "draft": FAMILIES[family] if method == "draft" else None}
-        runners.append(OursRunner(f"ours {method} ({policy})", gen, method, policy, settings))
+        runners.append(
+            OursRunner(f"ours {method} ({policy})", gen, method, policy, settings, cfg.sampling_rule)
+        )
     return runners
 
 

@@ -117,6 +117,7 @@ class ModelBenchConfig:
     invariance: bool = True  # also run ours batch-invariant: divergences, cost, batch of 8
     tree: str | None = None  # a token tree for the method (e.g. 4,2,1)
     seed: int = 0
+    sampling_rule: str = "standard"  # invariant: sampled runs must give target-only's text
     progress: bool = True
 
     @staticmethod
@@ -190,12 +191,13 @@ def _gguf_of(target: str, path: Path) -> Path | None:
 def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Runner]:
     from ..options import method_heads
 
+    rule = cfg.sampling_rule
     runners: list[Runner] = [
-        OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {})
+        OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {}, rule)
     ]
     if cfg.invariance:
         gen = SpeculativeGenerator(target, batch_invariant=True)
-        runners.append(OursRunner(INV_BASE, gen, "target-only", "-", {"batch_invariant": True}))
+        runners.append(OursRunner(INV_BASE, gen, "target-only", "-", {"batch_invariant": True}, rule))
     if cfg.method is not None:
         kw: dict = {"k": cfg.k, "method": cfg.method, "policy": cfg.policy}
         if cfg.method == "ngram":
@@ -212,12 +214,12 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
             kw["tree"] = cfg.tree
         gen = SpeculativeGenerator(target, **kw)
         runners.append(
-            OursRunner(f"ours {cfg.method} ({cfg.policy})", gen, cfg.method, cfg.policy, {"k": cfg.k})
+            OursRunner(f"ours {cfg.method} ({cfg.policy})", gen, cfg.method, cfg.policy, {"k": cfg.k}, rule)
         )
         if cfg.invariance:
             gen = SpeculativeGenerator(target, batch_invariant=True, **kw)
             settings = {"k": cfg.k, "batch_invariant": True}
-            runners.append(OursRunner(_inv_method(cfg), gen, cfg.method, cfg.policy, settings))
+            runners.append(OursRunner(_inv_method(cfg), gen, cfg.method, cfg.policy, settings, rule))
     if cfg.transformers and getattr(target, "quant", None) is not None:
         log(f"transformers: skipped (it runs float weights, the target here is {target.quant})")
     elif cfg.transformers:
@@ -252,6 +254,12 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
 INV_BASE = "ours target-only (batch-invariant)"
 
 
+def _fixed_text(cfg: ModelBenchConfig) -> bool:
+    """The output is a function of the target alone (greedy, or seeded under the invariant rule):
+    every run must give target-only's tokens."""
+    return cfg.temperature == 0 or cfg.sampling_rule == "invariant"
+
+
 def _draft_format(cfg: ModelBenchConfig, dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
     """(activation dtype, quantization) of the draft model: --draft-dtype, else the target's dtype."""
     from ..options import weight_format
@@ -273,19 +281,11 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 def _batched_outputs(runner: Runner, prompts: list[list[int]], cfg: ModelBenchConfig, batch: int) -> list:
     """Greedy outputs of `prompts` decoded `batch` at a time in one batch (seeds as in the runs)."""
-    from ..sampling import SamplingParams
-
     out = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         params = [
-            SamplingParams(
-                temperature=cfg.temperature,
-                max_new_tokens=cfg.max_new_tokens,
-                seed=cfg.seed + i + j,
-                ignore_eos=True,
-            )
-            for j in range(len(chunk))
+            runner.params(cfg.temperature, cfg.max_new_tokens, cfg.seed + i + j) for j in range(len(chunk))
         ]
         out += [list(r.token_ids) for r in runner.gen.generate(chunk, params)]
     return out
@@ -407,8 +407,9 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
                     for n, lst in rs.items()
                     if n.startswith("ours")
                 }
-        if cfg.temperature == 0 and cfg.method:
-            # speculation must not change greedy output: every method against our own target-only
+        if _fixed_text(cfg) and cfg.method:
+            # speculation must not change greedy output (nor a seeded sample under the invariant
+            # rule): every method against our own target-only
             ref = [r.token_ids for r in rs["ours target-only"]]
             lst = rs[f"ours {cfg.method} ({cfg.policy})"]
             out["greedy_identical_to_ours_target_only"] = (
@@ -432,7 +433,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         for c in chosen:
             if all("task" in p for p in by_cat[c]):
                 categories[c]["pass_at_1"] = _pass_at_1(target, by_cat[c], runs[c], cfg.chat)
-    if cfg.invariance and cfg.temperature == 0:
+    if cfg.invariance and _fixed_text(cfg):
         # the same prompts 8 to a batch: every output must equal its batch-of-one run
         inv = next(r for r in runners if r.name == (_inv_method(cfg) if cfg.method else INV_BASE))
         for c in bar(chosen, "batch of 8", enabled=cfg.progress):

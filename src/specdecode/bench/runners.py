@@ -47,13 +47,28 @@ class Runner:
 
 class OursRunner(Runner):
     def __init__(
-        self, name: str, gen: SpeculativeGenerator, method: str, policy: str, settings: dict
+        self,
+        name: str,
+        gen: SpeculativeGenerator,
+        method: str,
+        policy: str,
+        settings: dict,
+        sampling_rule: str = "standard",
     ) -> None:
         super().__init__(name, "ours", method, policy, settings)
-        self.gen = gen
+        self.gen, self.sampling_rule = gen, sampling_rule
+
+    def params(self, temperature: float, max_new: int, seed: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=temperature,
+            max_new_tokens=max_new,
+            seed=seed,
+            ignore_eos=True,
+            sampling_rule=self.sampling_rule,
+        )
 
     def run(self, ids: list[int], temperature: float, max_new: int, seed: int) -> Run:
-        params = SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=seed, ignore_eos=True)
+        params = self.params(temperature, max_new, seed)
         t0 = time.perf_counter()
         (res,) = self.gen.generate([ids], params)
         seconds = time.perf_counter() - t0

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..options import DTYPE_HELP, WEIGHT_FORMATS, add_spec_flags
+from ..options import DTYPE_HELP, WEIGHT_FORMATS, add_sampling_rule_flag, add_spec_flags
 
 
 def register(sub) -> None:
@@ -71,6 +71,7 @@ def register(sub) -> None:
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--seed", type=int, default=0)
+    add_sampling_rule_flag(b)
     b.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (models and caches)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(
@@ -123,6 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
             temperatures=tuple(args.temperature) if args.temperature else None,
             transformers=not args.no_transformers,
             seed=args.seed,
+            sampling_rule=args.sampling_rule,
             progress=progress,
             device=str(resolve_device(args.device)),
         )
@@ -169,6 +171,7 @@ def _bench_model(args: argparse.Namespace, progress: bool) -> int:
         llama_cpp=not args.no_llama_cpp,
         invariance=not args.no_invariance,
         seed=args.seed,
+        sampling_rule=args.sampling_rule,
         progress=progress,
     )
     log = lambda msg: print(msg, file=sys.stderr)

@@ -13,6 +13,7 @@ from ..options import (
     DTYPE_HELP,
     DTYPES,
     WEIGHT_FORMATS,
+    add_sampling_rule_flag,
     add_spec_flags,
     heads_dir,
     method_heads,
@@ -40,6 +41,7 @@ def register(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below P x the top probability")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: fresh randomness)")
+    add_sampling_rule_flag(g)
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     g.add_argument(
         "--num-return-sequences", type=int, default=1, help="independent samples, run as one batch"
@@ -104,6 +106,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        sampling_rule=args.sampling_rule,
     )
     from ..engine import SpeculativeGenerator
     from ..models import load, resolve, resolve_device

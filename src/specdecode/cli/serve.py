@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..options import DTYPES, add_spec_flags, method_heads, spec_config, torch_dtype
+from ..options import DTYPES, SAMPLING_RULE_HELP, add_spec_flags, method_heads, spec_config, torch_dtype
+from ..sampling import SAMPLING_RULES
 
 
 def register(sub) -> None:
@@ -67,6 +68,14 @@ def register(sub) -> None:
         help="use the plain forward (faster, about 14%% in bf16 here) at the price of a request's output "
         "depending on its batch mates; by default a greedy or seeded request gives the same tokens whatever "
         "else is running",
+    )
+    s.add_argument(
+        "--sampling-rule",
+        default="auto",
+        choices=("auto", *SAMPLING_RULES),
+        help="the sampling rule of requests that name none (the request field sampling_rule wins): "
+        "auto (default: invariant for a seeded request, so its seed gives the same answer whatever "
+        "the load, the cache or the drafter; standard otherwise), standard, invariant. " + SAMPLING_RULE_HELP,
     )
     s.add_argument(
         "--no-load-aware",
@@ -141,6 +150,7 @@ def build(args: argparse.Namespace):
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,
         default_max_tokens=args.max_tokens,
+        sampling_rule=args.sampling_rule,
     )
     return gen, server
 

@@ -170,7 +170,8 @@ class DraftChain:
         else:
             q = logits_to_probs(logits.unsqueeze(1), self.ctx.warp).squeeze(1)  # [B, V]
             draw = [a and s for a, s in zip(self.active, self.ctx.warp.sampled)]
-            tok = sample(q, self.ctx.rng.exp_noise(q.shape[-1], draw))
+            # an invariant row guesses with the noise the verifier will use at this position
+            tok = sample(q, self.ctx.rng.exp_noise(q.shape[-1], draw, self.ctx.lengths + step))
             self.probs.append(q)
         self.tokens.append(tok)
         conf = None
@@ -197,13 +198,17 @@ class TreeDraw:
     "topk", and always for greedy rows) or, for rows that sample, draws from the drafter's
     warped distribution q after that node: independent draws (with-replacement) or distinct ones
     by the exponential race, top `count` of q / Exp(1) (without-replacement). The q of every
-    node whose children were drawn is kept: the verifier's multi-candidate rule needs it."""
+    node whose children were drawn is kept: the verifier's multi-candidate rule needs it.
+    Rows under the invariant rule always take the top `count` of q / E_t with the noise E_t the
+    verifier reads at the children's position (Gumbel-max list sampling: the target's token is
+    among them as often as the coupling allows), whatever tree.sampling says."""
 
     def __init__(self, ctx: DraftContext, tree: TokenTree) -> None:
         self.ctx, self.tree = ctx, tree
         greedy = ctx.warp.all_greedy or not tree.sampled
-        self.rows = [False] * ctx.size if greedy else [bool(s) for s in ctx.warp.sampled]
-        self.sampled = any(self.rows)
+        self.rows = [False] * ctx.size if greedy else [bool(s) for s in ctx.warp.streamed]
+        self.keyed = [False] * ctx.size if ctx.warp.all_greedy else ctx.warp.invariant
+        self.sampled = any(self.rows) or any(self.keyed)
         self.nodes = torch.zeros(ctx.size, tree.size, dtype=torch.long, device=ctx.device)
         self.q: dict[int, torch.Tensor] = {}  # input index -> [B, V] q of its children
         self._parents, self._depths = tree.parents(), tree.depths().tolist()
@@ -228,14 +233,18 @@ class TreeDraw:
             return top
         q = logits_to_probs(logits.unsqueeze(1), self.ctx.warp).squeeze(1)  # [B, V]
         self.q[parent] = q
-        V = q.shape[-1]
-        if self.tree.sampling == "without-replacement":
-            keys = q.double() / self.ctx.rng.exp_noise(V, self.rows)
-            picks = keys.topk(count, -1).indices
-        else:
-            picks = torch.stack([sample(q, self.ctx.rng.exp_noise(V, self.rows)) for _ in range(count)], 1)
-        rows = torch.tensor(self.rows, device=logits.device).view(-1, 1)
-        return torch.where(rows, picks, top)
+        V, rng = q.shape[-1], self.ctx.rng
+        if any(self.rows):
+            if self.tree.sampling == "without-replacement":
+                picks = (q.double() / rng.exp_noise(V, self.rows)).topk(count, -1).indices
+            else:
+                picks = torch.stack([sample(q, rng.exp_noise(V, self.rows)) for _ in range(count)], 1)
+            top = torch.where(torch.tensor(self.rows, device=logits.device).view(-1, 1), picks, top)
+        if any(self.keyed):  # the children's tokens sit at position lengths + depth(parent)
+            at = self.ctx.lengths + self._depths[parent]
+            picks = (q.double() / rng.exp_noise(V, self.keyed, at)).topk(count, -1).indices
+            top = torch.where(torch.tensor(self.keyed, device=logits.device).view(-1, 1), picks, top)
+        return top
 
     def proposal(self) -> Proposal | torch.Tensor:
         """The candidates [B, N] (top-ranked) or a Proposal with q at root and every node."""

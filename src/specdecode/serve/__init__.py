@@ -55,12 +55,15 @@ class Server:
         max_queue: int = 256,
         max_model_len: int | None = None,
         default_max_tokens: int = 256,
+        sampling_rule: str = "auto",
     ) -> None:
+        """sampling_rule: the rule of requests that name none: standard, invariant, or auto
+        (invariant for seeded requests, standard otherwise)."""
         self.gen = gen
         self.metrics = Metrics()
         self.engine = EngineLoop(gen, self.metrics, max_batch, max_queue)
         self.max_model_len = max_model_len or context_length(gen)
-        self.app = create_app(self.engine, model_id, self.max_model_len, default_max_tokens)
+        self.app = create_app(self.engine, model_id, self.max_model_len, default_max_tokens, sampling_rule)
         self._uvicorn = None
         self._thread: threading.Thread | None = None
         self.url = ""

@@ -38,7 +38,11 @@ UNSUPPORTED = {
 
 
 def create_app(
-    engine: EngineLoop, model_id: str, max_model_len: int, default_max_tokens: int = 256
+    engine: EngineLoop,
+    model_id: str,
+    max_model_len: int,
+    default_max_tokens: int = 256,
+    sampling_rule: str = "auto",
 ) -> FastAPI:
     """The FastAPI app: routes only; checks live in requests.Admission, shaping in responses."""
     app = FastAPI(
@@ -47,7 +51,7 @@ def create_app(
         description="OpenAI-compatible server with exact speculative decoding and continuous batching.",
     )
     gen = engine.gen
-    admit = Admission(gen, model_id, max_model_len, default_max_tokens)
+    admit = Admission(gen, model_id, max_model_len, default_max_tokens, sampling_rule)
     created = int(time.time())
     _errors(app)
 

@@ -90,6 +90,12 @@ class _Sampling(BaseModel):
     top_k: Int = Field(0, ge=-1, description="extension: keep the k most likely tokens (0 or -1: off)")
     min_p: Float = Field(0.0, ge=0, lt=1, description="extension: drop tokens below min_p x the top one")
     ignore_eos: StrictBool = Field(False, description="extension: keep going after the end-of-text token")
+    sampling_rule: Literal["standard", "invariant"] | None = Field(
+        None,
+        description="extension: standard (rejection sampling) or invariant (noise keyed by seed and "
+        "position: a seed gives the same text whatever the drafter, the batch or the load); default: "
+        "the server's --sampling-rule (auto: invariant when seed is set)",
+    )
     # accepted only as no-ops: penalties and logit bias would change the model's distribution
     presence_penalty: Float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
     frequency_penalty: Float | None = Field(None, ge=0, le=0, description="only 0 (not supported)")
@@ -102,9 +108,15 @@ class _Sampling(BaseModel):
             raise APIError(400, "stop strings must be non-empty", "stop")
         return stops
 
-    def params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def params(
+        self, max_tokens: int, logprobs: int | None, default_rule: str = "auto"
+    ) -> list[SamplingParams]:
         """One SamplingParams per choice; choice i is seeded seed + i (one seed for all would
-        make every choice the same sample)."""
+        make every choice the same sample). The sampling rule: the request's, else the server's
+        (auto: invariant for a seeded request, so its seed fixes the text under any load)."""
+        rule = self.sampling_rule or default_rule
+        if rule == "auto":
+            rule = "standard" if self.seed is None else "invariant"
         base = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -114,6 +126,7 @@ class _Sampling(BaseModel):
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            sampling_rule=rule,
         )
         seeds = [None if self.seed is None else (self.seed + i) % 2**63 for i in range(self.n)]
         return [SamplingParams(seed=s, **base) for s in seeds]

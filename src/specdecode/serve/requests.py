@@ -12,9 +12,12 @@ from .protocol import APIError, ChatRequest, CompletionRequest
 class Admission:
     """Turns a validated request body into (prompt ids, one SamplingParams per choice)."""
 
-    def __init__(self, gen, model_id: str, max_model_len: int, default_max_tokens: int) -> None:
+    def __init__(
+        self, gen, model_id: str, max_model_len: int, default_max_tokens: int, sampling_rule: str = "auto"
+    ) -> None:
         self.gen, self.model_id = gen, model_id
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+        self.sampling_rule = sampling_rule  # a request without sampling_rule gets this one
 
     def completion(self, body: CompletionRequest) -> tuple[list[int], list[SamplingParams]]:
         self.check_model(body.model)
@@ -22,7 +25,7 @@ class Admission:
         if isinstance(prompt, list) and isinstance(prompt[0], str):
             prompt = prompt[0]
         ids = self.encode(prompt)
-        return ids, body.params(self.budget(ids, body.max_tokens), body.logprobs)
+        return ids, body.params(self.budget(ids, body.max_tokens), body.logprobs, self.sampling_rule)
 
     def chat(self, body: ChatRequest) -> tuple[list[int], list[SamplingParams]]:
         self.check_model(body.model)
@@ -33,7 +36,8 @@ class Admission:
         if body.max_tokens is not None:  # checked even when max_completion_tokens wins
             self.budget(ids, body.max_tokens)
         max_tokens = self.budget(ids, body.max_completion_tokens or body.max_tokens)
-        return ids, body.params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return ids, body.params(max_tokens, logprobs, self.sampling_rule)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_id, ""):

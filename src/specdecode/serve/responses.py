@@ -23,12 +23,16 @@ def reason(c: Choice) -> str:
     return REASONS.get(c.finish_reason, c.finish_reason or "stop")
 
 
-def speculative(method: str | None, choices: list[Choice]) -> dict:
-    """The per-request `speculative` object, from the merged stats of its choices."""
+def speculative(method: str | None, job: Job) -> dict:
+    """The per-request `speculative` object, from the merged stats of its choices, and the
+    sampling rule that ran (greedy: the same tokens under either rule)."""
+    choices = job.choices
     s = GenerationStats.merge([c.stats for c in choices if c.stats is not None], 0.0)
     tokens = sum(len(c.tokens) for c in choices)
+    params = job.params[0]
     return {
         "method": method,
+        "sampling_rule": "greedy" if params.greedy else params.sampling_rule,
         "drafted": s.drafted,
         "accepted": s.accepted,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else None,
@@ -110,7 +114,7 @@ class Shape:
             **obj,
             "choices": choices,
             "usage": usage(job),
-            "speculative": speculative(self.method, job.choices),
+            "speculative": speculative(self.method, job),
         }
 
     def head(self, i: int) -> dict | None:
@@ -195,7 +199,7 @@ async def stream(
                     **shape.base,
                     "choices": [],
                     "usage": usage(job),
-                    "speculative": speculative(shape.method, job.choices),
+                    "speculative": speculative(shape.method, job),
                 }
             )
         yield "data: [DONE]\n\n"
