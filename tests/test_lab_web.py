@@ -94,6 +94,13 @@ def test_residual_rule_stays_in_the_noise_band_and_resampling_from_p_does_not(cl
     assert got["accept-if-equal"]["acceptance"] == pytest.approx(dist["match_acceptance"], abs=0.005)
 
 
+def test_invariant_rule_stays_in_the_noise_band_at_its_closed_form_acceptance(client):
+    s = post(client, "rules/sample", pair=PAIR, rule="invariant", draws=100_000, seed=1)
+    assert s["within_noise"] and s["chi2_p"] > 1e-4
+    assert s["acceptance"] == pytest.approx(s["closed_form"], abs=4 * (0.25 / 100_000) ** 0.5)
+    assert s["bound"] <= s["closed_form"] <= s["one_minus_tv"]
+
+
 def test_replay_rounds_emit_one_to_k_plus_one_and_the_cache_grows_by_them(client):
     d = post(client, "replay", pair=PAIR, k=3, max_tokens=24, seed=5)
     length = d["prompt_tokens"]
@@ -285,11 +292,13 @@ def test_browser_rules_widget_round_prediction_and_histograms(page):
     assert page.locator("#ru-feedback").inner_text().startswith("Right")
     page.select_option("#ru-draws", "100000")
     page.click("#ru-sample")
-    page.wait_for_selector("#ru-sample-residual .tv", timeout=60_000)
+    page.wait_for_selector("#ru-sample-invariant .tv", timeout=90_000)
     boxes = {
         rule: page.locator(f"#ru-sample-{rule}")
-        for rule in ("accept-if-equal", "resample-from-p", "residual")
+        for rule in ("accept-if-equal", "resample-from-p", "residual", "invariant")
     }
+    assert boxes["invariant"].get_attribute("data-within") == "true"
+    assert "closed form" in boxes["invariant"].inner_text()
     assert boxes["residual"].get_attribute("data-within") == "true"
     assert "within noise" in boxes["residual"].inner_text()
     b = boxes["resample-from-p"]

@@ -5,7 +5,9 @@ models`: slow (minutes), so marked `real` and run by `make test-real`, never by 
 - greedy output of our runtime equals transformers' `generate` in fp32 on six prompts, for
   both models;
 - with the forward batch-invariant, every method's greedy tokens equal target-only's, with the
-  draft in another dtype than the target (its precision never changes the output).
+  draft in another dtype than the target (its precision never changes the output);
+- under the invariant sampling rule a seeded T = 1 sample is seeded target-only's text, with a
+  w8a8 target and draft (the fastest pair here) and a token tree.
 """
 
 import hashlib
@@ -92,3 +94,20 @@ def test_every_method_keeps_target_only_tokens_batch_invariant():
         assert [r.token_ids for r in got] == want, kw
         if kw["method"] == "draft":
             assert sum(r.stats.accepted for r in got) > 0
+
+
+def test_invariant_rule_seeded_samples_equal_target_only_on_the_pair():
+    _installed()
+    target = load(TARGET, dtype=torch.float32, quant="w8a8")
+    draft = load(DRAFT, dtype=torch.float32, quant="w8a8")
+    prompts = [_ids(target, t) for t in PROMPTS[:3]]
+    params = [
+        SamplingParams(temperature=1.0, seed=11 + i, max_new_tokens=40, sampling_rule="invariant")
+        for i in range(len(prompts))
+    ]
+    want = [r.token_ids for r in SpeculativeGenerator(target, batch_invariant=True).generate(prompts, params)]
+    for kw in ({"k": 4}, {"tree": "3,2,1"}):
+        gen = SpeculativeGenerator(target, draft=draft, batch_invariant=True, **kw)
+        got = [gen.generate([p], prm)[0] for p, prm in zip(prompts, params)]
+        assert [r.token_ids for r in got] == want, kw
+        assert sum(r.stats.accepted for r in got) > 0

@@ -171,6 +171,36 @@ def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant
     assert [r.token_ids for r in gen.generate(chats, params)] == want
 
 
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "eagle3" / "config.json").exists(),
+    reason="no bundled EAGLE-3 drafter for smollm2-135m in this checkout",
+)
+def test_smollm2_invariant_rule_seeded_samples_equal_target_only_bf16():
+    """Seeded T = 1 under the invariant rule, bf16 batch-invariant: EAGLE-3 (chain and tree)
+    gives target-only's text, alone and in one batch."""
+    from specdecode.options import method_heads
+
+    target = load("smollm2-135m", dtype=torch.bfloat16)
+    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=5 + i, max_new_tokens=32, ignore_eos=True, sampling_rule="invariant"
+        )
+        for i in range(len(chats))
+    ]
+    want = [r.token_ids for r in SpeculativeGenerator(target, batch_invariant=True).generate(chats, params)]
+    heads = method_heads("smollm2-135m", "eagle3", None)
+    for kw in (
+        {"method": "eagle3", "k": 3, "heads": heads},
+        {"method": "eagle3", "tree": "3,1", "heads": heads},
+    ):
+        gen = SpeculativeGenerator(target, batch_invariant=True, **kw)
+        got = [gen.generate([c], prm)[0] for c, prm in zip(chats, params)]
+        assert [r.token_ids for r in got] == want, kw
+        assert sum(r.stats.accepted for r in got) > 0
+        assert [r.token_ids for r in gen.generate(chats, params)] == want, kw
+
+
 @pytest.mark.slow
 def test_chat_demo_runs_every_method_on_smollm2(capsys):
     import json

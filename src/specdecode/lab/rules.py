@@ -1,13 +1,21 @@
 """Experiment 2: why the acceptance rule must be min(1, p/q) with the residual. Three rules
-drawn N times at a real prefix over the full vocabulary, against direct sampling from p."""
+drawn N times at a real prefix over the full vocabulary, against direct sampling from p; and a
+fourth exact rule, the invariant one (argmax p/E with the drafter guessing argmax q/E from the
+same noise), whose output is the same whichever draft ran."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..theory import acceptance_from_probs, match_acceptance, resample_from_target_tv
-from ..verify import verify_chain
+from ..theory import (
+    acceptance_from_probs,
+    invariant_acceptance,
+    invariant_bound,
+    match_acceptance,
+    resample_from_target_tv,
+)
+from ..verify import verify_chain, verify_invariant
 from .common import (
     LabConfig,
     LabResult,
@@ -65,6 +73,43 @@ def scheme_residual(p: np.ndarray, q: np.ndarray, n: int, g: torch.Generator) ->
     return counts.numpy(), accepted / n
 
 
+def scheme_invariant(p: np.ndarray, qs: list[np.ndarray], n: int, g: torch.Generator) -> dict:
+    """(d) the engine's verify_invariant with k = 1: E ~ Exp(1) shared by the draft's guess
+    argmax q/E and the target's token argmax p/E. Also rule (c) fed the same random numbers
+    (each draft's token drawn as argmax q/E, the same uniform): how often two drafts give the same
+    output token under each rule. Returns the counts of (d) with qs[0], its acceptance per draft,
+    and the fractions of draws where every draft gave one output, (c) and (d)."""
+    V = len(p)
+    pt = torch.from_numpy(p)
+    counts = torch.zeros(V, dtype=torch.float64)
+    accepted = [0] * len(qs)
+    same_c = same_d = 0
+    for start in range(0, n, CHUNK):
+        m = min(CHUNK, n - start)
+        E = torch.empty(m, 2, V, dtype=torch.float64).exponential_(generator=g)
+        u = torch.rand(m, 1, generator=g, dtype=torch.float64)
+        extra = torch.empty(m, V, dtype=torch.float64).exponential_(generator=g)
+        outs_c, outs_d = [], []
+        for j, q in enumerate(qs):
+            qt = torch.from_numpy(q)
+            x = (qt.view(1, V) / E[:, 0]).argmax(-1).view(m, 1)
+            v = verify_invariant(x, pt.view(1, 1, V).expand(m, 2, V), E)
+            outs_d.append(v.tokens[:, 0])
+            accepted[j] += int(v.accepted.sum())
+            if j == 0:
+                counts += torch.bincount(v.tokens[:, 0], minlength=V).double()
+            vc = verify_chain(x, qt.view(1, 1, V).expand(m, 1, V), pt.view(1, 1, V).expand(m, 2, V), u, extra)
+            outs_c.append(vc.tokens[:, 0])
+        same_c += int(torch.stack(outs_c).eq(outs_c[0]).all(0).sum())
+        same_d += int(torch.stack(outs_d).eq(outs_d[0]).all(0).sum())
+    return {
+        "counts": counts.numpy(),
+        "acceptance": [a / n for a in accepted],
+        "same_c": same_c / n,
+        "same_d": same_d / n,
+    }
+
+
 def one_case(p: np.ndarray, q: np.ndarray, n: int, seed: int, sims: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     noise = noise_tvs(p, n, sims=sims, seed=seed)
@@ -105,6 +150,18 @@ def run(cfg: LabConfig, draws: int | None = None, prompts: tuple[str, ...] | Non
         ids = encode(target, prompt)
         p, q = next_token_probs(target, ids), next_token_probs(cfg.model(d), ids)
         case = {"draft": label(d), "prompt": prompt, **one_case(p, q, n, cfg.seed + i, sims)}
+        # (d) invariant, with this draft and every other one (same noise: same output?)
+        others = [next_token_probs(cfg.model(o), ids) for o in cfg.drafts if o != d]
+        inv = scheme_invariant(p, [q, *others], n, torch.Generator().manual_seed(cfg.seed + 1000 + i))
+        tv_pq = 1 - case["alpha"]
+        case |= {
+            "invariant_tv": tv(inv["counts"], p),
+            "invariant_chi2_p": chi2_pvalue(inv["counts"], p),
+            "invariant_acceptance": inv["acceptance"][0],
+            "invariant_closed_form": invariant_acceptance(p, q),
+            "invariant_bound": invariant_bound(tv_pq),
+            "same_output_across_drafts": {"residual": inv["same_c"], "invariant": inv["same_d"]},
+        }
         cases.append(case)
         rows.append(
             [
@@ -120,6 +177,11 @@ def run(cfg: LabConfig, draws: int | None = None, prompts: tuple[str, ...] | Non
                 case["noise_tv_mean"],
                 case["noise_tv_p99"],
                 case["residual_chi2_p"],
+                case["invariant_tv"],
+                case["invariant_acceptance"],
+                case["invariant_closed_form"],
+                case["invariant_bound"],
+                "{:.1%} / {:.1%}".format(*case["same_output_across_drafts"].values()),
             ]
         )
     first = cases[0]
@@ -137,10 +199,22 @@ def run(cfg: LabConfig, draws: int | None = None, prompts: tuple[str, ...] | Non
             for c in cases
         ),
         "resample_p_tv_far_above_noise": all(c["resample_p_tv"] > 3 * c["noise_tv_p99"] for c in cases),
+        "invariant_tv_below_noise_p99": all(c["invariant_tv"] < c["noise_tv_p99"] for c in cases),
+        "invariant_acceptance_at_its_closed_form": all(
+            abs(c["invariant_acceptance"] - c["invariant_closed_form"])
+            < 4 * np.sqrt(c["invariant_closed_form"] * (1 - c["invariant_closed_form"]) / n) + 1e-9
+            for c in cases
+        ),
+        "invariant_acceptance_above_its_bound": all(
+            c["invariant_closed_form"] >= c["invariant_bound"] - 1e-12 for c in cases
+        ),
+        "invariant_same_output_for_every_draft": all(
+            c["same_output_across_drafts"]["invariant"] == 1.0 for c in cases
+        ),
         **checks_5pct,
     }
     table = Table(
-        f"three acceptance rules, {n:,} draws each, full vocabulary ({len(p):,} tokens), T = 1",
+        f"four acceptance rules, {n:,} draws each, full vocabulary ({len(p):,} tokens), T = 1",
         [
             "draft",
             "prefix",
@@ -154,23 +228,39 @@ def run(cfg: LabConfig, draws: int | None = None, prompts: tuple[str, ...] | Non
             "noise TV mean",
             "noise TV p99",
             "(c) χ² p",
+            "(d) TV",
+            "(d) acceptance",
+            "(d) closed form",
+            "(d) bound (1−TV)/(1+TV)",
+            "same output for every draft (c) / (d)",
         ],
         rows,
         "(a) keep the draft token only if an independent target sample equals it; (b) accept with "
         "min(1, p/q), resample a rejection from p; (c) min(1, p/q), resample from norm(max(0, p − q)) "
         f"(the engine's verify_chain). Noise: TV of {n:,} direct draws from p, {sims} simulations. "
-        "(b)'s 99% range: TV of N draws from its closed form min(p, q) + (1 − α)·p, simulated.",
+        "(b)'s 99% range: TV of N draws from its closed form min(p, q) + (1 − α)·p, simulated. "
+        "(d) invariant: the target's token is argmax p/E, the draft guesses argmax q/E with the same "
+        "Exp(1) noise E (the engine's verify_invariant); closed form Σ_x 1/Σ_y max(p_y/p_x, q_y/q_x). "
+        "Last column: share of draws in which every draft gave the same output token, with the same "
+        "random numbers.",
     )
     return LabResult(
         "rules",
-        "2. rules: which acceptance rule keeps the target's distribution",
+        "2. rules: which acceptance rule keeps the target's distribution "
+        "(and invariant: same text for any drafter)",
         "Each rule is drawn N times for the same next token; the table gives the total-variation "
         "distance between the output frequencies and the target's distribution p. Direct sampling "
         "from p itself is not at distance 0 at finite N: the noise columns give how far N honest "
         "draws land by chance. Rule (c) sits inside that noise band (and passes a chi-square test); "
         "rule (b) is far outside it, exactly where its closed form ½Σ|min(p,q) − αp| says, because the "
         "mass min(p, q) already accepted is counted twice. Rule (a) is exact but its acceptance Σp·q is "
-        "tiny with a 2,048-token vocabulary, so it saves almost nothing; (c) accepts α = 1 − TV(p, q).",
+        "tiny with a 2,048-token vocabulary, so it saves almost nothing; (c) accepts α = 1 − TV(p, q). "
+        "Rule (d), invariant: same text for any drafter. The target's token is argmax p/E for Exp(1) "
+        "noise E fixed by the seed and the position, an exact sample from p (inside the noise band); "
+        "the draft guesses argmax q/E with the same E and is kept when it equals the target's token. "
+        "Its output never depends on the draft (the last column: 100% under (d), less under (c)); "
+        "the price is acceptance: at least (1 − TV)/(1 + TV), measured at its closed form, below (c)'s "
+        "1 − TV.",
         "lesson 000 (prompt 孔明曰：「, 200,000 draws, 2,048 tokens): (a) 0.73% acceptance; (b) TV 0.1666 "
         "(theory 0.165906); (c) TV 0.0218 vs noise 0.0215; α 56.7% (small draft) vs 56.5% (large).",
         [table],
@@ -183,11 +273,18 @@ def run(cfg: LabConfig, draws: int | None = None, prompts: tuple[str, ...] | Non
 def _plot(cases: list[dict]):
     fig, ax = new_figure(figsize=(8, 4.2))
     x = np.arange(len(cases))
-    w = 0.27
-    ax.bar(x - w, [c["resample_p_tv"] for c in cases], w, label="(b) resample from p", color="tab:red")
-    ax.bar(x, [c["residual_tv"] for c in cases], w, label="(c) residual (ours)", color="tab:green")
+    w = 0.2
+    ax.bar(x - 1.5 * w, [c["resample_p_tv"] for c in cases], w, label="(b) resample from p", color="tab:red")
+    ax.bar(x - 0.5 * w, [c["residual_tv"] for c in cases], w, label="(c) residual (ours)", color="tab:green")
     ax.bar(
-        x + w,
+        x + 0.5 * w,
+        [c["invariant_tv"] for c in cases],
+        w,
+        label="(d) invariant: same text for any drafter",
+        color="tab:blue",
+    )
+    ax.bar(
+        x + 1.5 * w,
         [c["noise_tv_mean"] for c in cases],
         w,
         yerr=[[0] * len(cases), [c["noise_tv_p99"] - c["noise_tv_mean"] for c in cases]],
@@ -195,7 +292,7 @@ def _plot(cases: list[dict]):
         color="tab:gray",
     )
     ax.scatter(
-        x - w,
+        x - 1.5 * w,
         [c["resample_p_tv_theory"] for c in cases],
         marker="_",
         s=400,
@@ -208,6 +305,6 @@ def _plot(cases: list[dict]):
     ax.set_xticks(x, names, fontsize=8)
     ax.set_ylabel("TV distance to p")
     ax.set_yscale("log")
-    ax.set_title("output distribution vs the target's: three acceptance rules")
+    ax.set_title("output distribution vs the target's: four acceptance rules")
     ax.legend(fontsize=8)
     return fig

@@ -20,7 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import SpecDecodeError
 from ...roofline import DTYPE_BYTES, HARDWARE, ModelSpec, forward_time, measure_cpu, spec_from_config
-from ...theory import acceptance_from_probs, expected_tokens_per_round, resample_from_target_tv
+from ...theory import (
+    acceptance_from_probs,
+    expected_tokens_per_round,
+    invariant_acceptance,
+    invariant_bound,
+    resample_from_target_tv,
+)
 from ...verify import verify_chain
 
 # Llama-3.1 shapes from their published config.json files (no weights needed for a roofline).
@@ -104,7 +110,7 @@ class RoundRequest(PairRequest):
 
 
 class SampleRequest(PairRequest):
-    rule: Literal["accept-if-equal", "resample-from-p", "residual"]
+    rule: Literal["accept-if-equal", "resample-from-p", "residual", "invariant"]
     draws: int = Field(10_000, ge=100, le=200_000)
     seed: int = Field(0, ge=0, le=2**31 - 1)
 
@@ -334,10 +340,28 @@ class Lab:
         p, q, model, _ = self.probs(r)
         g = torch.Generator().manual_seed(r.seed)
         n = r.draws
+        extra: dict = {}
         if r.rule == "accept-if-equal":
             x, y = draw(q, n, g), draw(p, n, g)
             acceptance = float((x == y).double().mean())
             counts = np.bincount(y.numpy(), minlength=len(p)).astype(np.float64)  # the output is y
+        elif r.rule == "invariant":
+            # one Exp(1) vector E per draw, shared: the target's token argmax p/E, the draft's guess
+            # argmax q/E (verify_invariant's rule); the output never depends on q
+            pt, qt = torch.from_numpy(p), torch.from_numpy(q)
+            counts, hits = np.zeros(len(p)), 0
+            for start in range(0, n, 4096):
+                E = torch.empty(min(4096, n - start), len(p), dtype=torch.float64).exponential_(generator=g)
+                y, x = (pt / E).argmax(-1), (qt / E).argmax(-1)
+                hits += int((x == y).sum())
+                counts += np.bincount(y.numpy(), minlength=len(p))
+            acceptance = hits / n
+            tv_pq = 0.5 * float(np.abs(p - q).sum())
+            extra = {
+                "closed_form": invariant_acceptance(p, q),
+                "bound": invariant_bound(tv_pq),
+                "one_minus_tv": 1 - tv_pq,
+            }
         else:
             # x ~ q kept with probability min(1, p/q); a rejection redrawn from p (wrong) or from
             # norm(max(0, p - q)) (verify_chain's rule, vectorised here: 100,000 draws through
@@ -370,6 +394,7 @@ class Lab:
             "within_noise": distance <= noise_p99,
             "chi2_p": chi2_pvalue(counts, p),
             "tokens": self.bars(model, shown, p=p, observed=freq),
+            **extra,
         }
 
     # -- 3. replay ----------------------------------------------------------------------

@@ -138,6 +138,7 @@ const RULES = [
   ["accept-if-equal", "accept only if an independent target sample equals the draft"],
   ["resample-from-p", "min(1, p/q), then redraw a rejection from p"],
   ["residual", "min(1, p/q), then redraw from norm(max(0, p − q)) (the engine's rule)"],
+  ["invariant", "invariant: same text for any drafter. One Exp(1) vector E per draw, fixed by the seed and the position: the target's token is argmax p/E, the draft guesses argmax q/E and is kept when they agree"],
 ];
 let ruleSeed = 0;
 const pairBody = () => ({ pair: $("ru-pair").value, prompt: $("ru-prompt").value });
@@ -189,7 +190,8 @@ async function rulesSample() {
       box.innerHTML = `<h3>${esc(rule)}</h3><p class="explain">${esc(about)}</p><div class="chart"></div>
         <p>TV to p = <b class="tv">${fmt(s.tv, 4)}</b>; noise (99%) ≤ <b class="noise">${fmt(s.noise_tv_p99, 4)}</b>
         <span class="badge ${s.within_noise ? "ok" : "bad"}">${s.within_noise ? "within noise" : "outside noise"}</span><br>
-        χ² p-value ${s.chi2_p < 1e-4 ? s.chi2_p.toExponential(1) : fmt(s.chi2_p, 3)}; acceptance ${pct(s.acceptance)}</p>`;
+        χ² p-value ${s.chi2_p < 1e-4 ? s.chi2_p.toExponential(1) : fmt(s.chi2_p, 3)}; acceptance ${pct(s.acceptance)}${s.closed_form === undefined ? "" :
+          ` (closed form ${pct(s.closed_form)}, at least (1 − TV)/(1 + TV) = ${pct(s.bound)}; the residual rule's 1 − TV = ${pct(s.one_minus_tv)}): the price of a text no drafter can change`}</p>`;
       box.dataset.tv = s.tv; box.dataset.noise = s.noise_tv_p99; box.dataset.within = s.within_noise;
       groupedBars(box.querySelector(".chart"), s.tokens, [{ key: "p", label: "p", color: "#2a6fdb" }, { key: "observed", label: "observed", color: "#7a8699" }], { height: 180 });
     } catch (e) { fail(box, e); }
