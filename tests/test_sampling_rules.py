@@ -159,18 +159,29 @@ def test_the_shared_noise_is_what_makes_drafts_match(tiny, monkeypatch):
     assert accepted() < shared - 0.1
 
 
+GENERATE = [
+    sys.executable,
+    "-m",
+    "specdecode.cli",
+    "generate",
+    "--target",
+    "three-kingdoms/target",
+    "--prompt",
+]
+
+
 def test_generate_invariant_prints_the_same_text_with_and_without_drafts():
     """The issue's done-when command, three ways: target-only, a draft model, EAGLE with a tree."""
-    base = [
-        sys.executable,
-        "-m",
-        "specdecode.cli",
-        "generate",
-        "--target",
-        "three-kingdoms/target",
-        "--prompt",
+    base = GENERATE + [
+        "孔明曰：「",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--sampling-rule",
+        "invariant",
+        "--json",
     ]
-    base += ["孔明曰：「", "--temperature", "1", "--seed", "3", "--sampling-rule", "invariant", "--json"]
     texts = []
     for extra in ([], ["--draft", "three-kingdoms/draft-64"], ["--method", "eagle", "--tree", "4,2,1"]):
         out = subprocess.run(base + extra, capture_output=True, text=True, check=True)
@@ -179,15 +190,5 @@ def test_generate_invariant_prints_the_same_text_with_and_without_drafts():
 
 
 def test_generate_rejects_an_unknown_sampling_rule_with_exit_2():
-    cmd = [
-        sys.executable,
-        "-m",
-        "specdecode.cli",
-        "generate",
-        "--target",
-        "three-kingdoms/target",
-        "--prompt",
-        "a",
-    ]
-    out = subprocess.run(cmd + ["--sampling-rule", "fair"], capture_output=True, text=True)
+    out = subprocess.run(GENERATE + ["a", "--sampling-rule", "fair"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice: 'fair'" in out.stderr + out.stdout
