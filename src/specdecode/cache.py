@@ -119,6 +119,23 @@ class KVCache:
         else:
             self.v[:, b_idx, :, dst] = self.v[:, b_idx, :, src].clone()
 
+    def read_block(self, b: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row b's keys and values at slots start .. start + KEY_CHUNK - 1 (start a
+        multiple of KEY_CHUNK), each [layers, kv_heads, KEY_CHUNK, head_dim]: a prefix-cache block."""
+        end = start + KEY_CHUNK
+        k = self.k[:, b, :, start:end].clone()
+        v = self.v[:, start // KEY_CHUNK, b].clone() if self.invariant else self.v[:, b, :, start:end].clone()
+        return k, v
+
+    def write_block(self, b: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put a block read by read_block() at row b's slots start .. (lengths are not moved)."""
+        end = start + KEY_CHUNK
+        self.k[:, b, :, start:end] = k
+        if self.invariant:
+            self.v[:, start // KEY_CHUNK, b] = v
+        else:
+            self.v[:, b, :, start:end] = v
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (retire the others); one copy, made when rows finish."""
         self.k = self.k[:, rows].contiguous()

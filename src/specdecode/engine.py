@@ -15,14 +15,16 @@ import torch
 from .config import SpecConfig
 from .emit import GenerationResult, RoundEvent, RowOutput, emit, token_logprobs
 from .errors import SpecDecodeError
-from .models.base import CausalLM, extend
-from .policy import CostModel, LoadAwarePolicy, LoadCosts, RoundOutcome, make_policy
+from .models.base import CausalLM
+from .policy import CostModel, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome, make_policy
+from .prefill import Prefill, remember
+from .prefix import PrefixCache
 from .rows import Rows
 from .sampling import SamplingParams
 from .speculation import Prompt, Speculation, build, encode, prepare
 from .verify import Proposal, Verdict, verify_proposal
 
-__all__ = ["Generation", "GenerationResult", "RoundEvent", "Rows", "SpeculativeGenerator"]
+__all__ = ["Generation", "GenerationResult", "Prefill", "RoundEvent", "Rows", "SpeculativeGenerator"]
 
 
 class Generation:
@@ -36,10 +38,13 @@ class Generation:
         params: list[SamplingParams],
         policy=None,
         make_policy: Callable[[Generation], Any] | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         """A batch of these prompts (token ids) under `spec`; the draft-length policy is
-        `policy`, or make_policy(this run) once the rows exist (the optimal policy times them)."""
+        `policy`, or make_policy(this run) once the rows exist (the optimal policy times them).
+        prefix: a PrefixCache to reuse earlier requests' keys and values from (and to fill)."""
         self.spec, self.target, self.drafter = spec, spec.target, spec.drafter
+        self.prefix = prefix
         self.outputs: list[RowOutput] = []
         self.round_no = 0
         with torch.inference_mode():
@@ -127,18 +132,10 @@ class Generation:
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[int]:
         """Admit several rows at once (one prefill, one copy of the caches); their row ids."""
-        ids, plist = prepare(self.target, list(prompts), params)
+        prefill = self.begin(prompts, params)
         with torch.inference_mode():
-            rows, cache, state = self._start(ids, plist)
-            if self.rows.size == 0:
-                self.rows, self.cache, self.state = rows, cache, state
-            else:
-                self.rows.extend(rows)
-                self.cache.add_rows(cache)
-                if self.drafter is not None:
-                    self.drafter.add_rows(self.state, state)
-        self.policy.add_rows(len(ids))
-        return list(rows.ids)
+            prefill.step(None)
+        return self.join(prefill)
 
     def cancel(self, row_ids: Sequence[int]) -> None:
         """Drop these live rows between rounds (finish reason "abort"): their slots, caches and
@@ -165,56 +162,56 @@ class Generation:
             pass
         return [out.result(self.target.tokenizer) for out in self.outputs]
 
+    def begin(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ):
+        """Admit rows whose prefill runs in chunks between rounds: returns a Prefill; call its
+        step(budget) between rounds until it is done, then join() it. Its rows have their ids
+        (indices in results()) from now on, but decode only once joined."""
+        ids, plist = prepare(self.target, list(prompts), params)
+        with torch.inference_mode():
+            return self._begin(ids, plist)
+
+    def join(self, prefill: Prefill) -> list[int]:
+        """Rows whose prefill is done join the running batch (one copy of the caches); their ids."""
+        if not prefill.done:
+            raise SpecDecodeError("this admission's prefill is not done; step() it until done")
+        with torch.inference_mode():
+            rows, cache, state = prefill.finish()
+            if self.rows.size == 0:
+                self.rows, self.cache, self.state = rows, cache, state
+            else:
+                self.rows.extend(rows)
+                self.cache.add_rows(cache)
+                if self.drafter is not None:
+                    self.drafter.add_rows(self.state, state)
+        self.policy.add_rows(rows.size)
+        return list(rows.ids)
+
+    def _begin(self, ids: list[list[int]], params: list[SamplingParams]) -> Prefill:
+        first = len(self.outputs)
+        rows = Rows.new(
+            list(range(first, first + len(ids))), ids, params, self.spec.width, self.target.device
+        )
+        self.spec.check_capacity(rows.tokens.shape[1])
+        prefill = Prefill(self.spec, rows, self.prefix)
+        self.outputs += [RowOutput(p, prefill.started) for p in params]
+        prefill.outputs = self.outputs[first:]
+        return prefill
+
     def _start(self, ids: list[list[int]], params: list[SamplingParams]) -> tuple[Rows, Any, Any]:
         """Rows for these prompts with a target cache holding all but each pending token, and
-        the drafter's state for them."""
-        t0 = time.perf_counter()
-        first, spec = len(self.outputs), self.spec
-        rows = Rows.new(list(range(first, first + len(ids))), ids, params, spec.width, self.target.device)
-        spec.check_capacity(rows.tokens.shape[1])
-        self.outputs += [RowOutput(p, t0) for p in params]
-        cache = spec.new_cache(rows.size, rows.tokens.shape[1])
-        hidden = None
-        if int(rows.lengths.max()) > 1:  # prefill all but the last prompt token
-            hidden = self._prefill(rows, cache)
-        state = None
-        if self.drafter is not None:
-            state = self.drafter.start(rows.context(), cache)
-            if hidden is not None:  # features of every prompt token but the pending one
-                self.drafter.observe(state, hidden, torch.zeros_like(rows.lengths), rows.lengths - 1)
-        prefill_s = time.perf_counter() - t0
-        for out in self.outputs[first:]:
-            out.stats.prefill_s = prefill_s
-        return rows, cache, state
-
-    def _prefill(self, rows: Rows, cache) -> torch.Tensor | None:
-        """Feed every prompt token but the pending one; the hidden states [B, n, d] the drafter
-        needs (None if none). Batch-invariant runs prefill each row on its own, so that its
-        cache holds what it would hold in a batch of one (a padded batch prefill is one SDPA
-        call whose blocking depends on the longest prompt)."""
-        needs, aux = self.spec.needs, self.spec.needs.aux_layers
-        if not (self.spec.invariant and rows.size > 1):
-            return extend(self.target, cache, rows.tokens, rows.lengths - 1, needs.hidden, False, aux)[1]
-        hiddens = []
-        for b in range(rows.size):
-            n = int(rows.lengths[b]) - 1
-            if n == 0:
-                hiddens.append(None)
-                continue
-            n_t = torch.tensor([n], device=rows.lengths.device)
-            _, h = extend(self.target, cache.row(b), rows.tokens[b : b + 1], n_t, needs.hidden, False, aux)
-            cache.lengths[b] = n
-            hiddens.append(h)
-        if not needs.hidden:
-            return None
-        fed = [h for h in hiddens if h is not None]
-        out = fed[0].new_zeros(rows.size, max(h.shape[1] for h in fed), fed[0].shape[-1])
-        for b, h in enumerate(hiddens):
-            if h is not None:
-                out[b, : h.shape[1]] = h[0]
-        return out
+        the drafter's state for them (the whole prefill at once)."""
+        prefill = self._begin(ids, params)
+        prefill.step(None)
+        return prefill.finish()
 
     def _retire(self, keep: list[int]) -> None:
+        if self.prefix is not None:
+            kept = set(keep)
+            for b in range(self.rows.size):
+                if b not in kept:
+                    remember(self.prefix, self.spec, self.rows, self.cache, self.state, b)
         index = torch.tensor(keep, dtype=torch.long, device=self.rows.tokens.device)
         self.rows.select(keep)
         self.cache.select_rows(index)
@@ -265,7 +262,10 @@ class SpeculativeGenerator:
         cost = config.cost_model
         self.cost_model: CostModel | None = CostModel.load(cost) if isinstance(cost, (str, Path)) else cost
         load = config.load_costs
-        self.load_costs: LoadCosts | None = LoadCosts.load(load) if isinstance(load, (str, Path)) else load
+        self.load_costs: LoadCosts | OnlineCosts | None = (
+            LoadCosts.load(load) if isinstance(load, (str, Path)) else load
+        )
+        self.prefix_cache: PrefixCache | None = None  # see enable_prefix_cache()
 
     # what build() decided, by the names users read
     drafter = property(lambda self: self.spec.drafter)
@@ -299,6 +299,24 @@ class SpeculativeGenerator:
 
         return measure_load_costs(self.spec, batch_sizes, prompt_tokens, rounds, progress)
 
+    def enable_prefix_cache(self, budget_bytes: int) -> PrefixCache:
+        """Reuse the keys and values of earlier requests' prompts (and outputs) in every later run
+        of this generator, within `budget_bytes` (prefix.py). Exact only with the batch-invariant
+        forward: SpecDecodeError otherwise."""
+        from .prefill import prefix_capable
+
+        probe = self.spec.new_cache(1, 1)
+        if not prefix_capable(self.spec, probe):
+            why = (
+                "the batch-invariant forward (a token's keys and values must not depend on the forward "
+                "that computed them)"
+                if not self.spec.invariant
+                else "a plain key-value cache (this target keeps recurrent state)"
+            )
+            raise SpecDecodeError(f"prefix caching needs {why}")
+        self.prefix_cache = PrefixCache(budget_bytes)
+        return self.prefix_cache
+
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids (chat messages through the target's template); SpecDecodeError
         with a one-line reason when it cannot be encoded."""
@@ -316,7 +334,7 @@ class SpeculativeGenerator:
         """Start a batch: iterate the returned Generation for one RoundEvent per round (admit
         more rows with its add()), then call its results()."""
         ids, plist = prepare(self.target, prompts, params)
-        return Generation(self.spec, ids, plist, make_policy=self.new_policy)
+        return Generation(self.spec, ids, plist, make_policy=self.new_policy, prefix=self.prefix_cache)
 
     def generate(
         self,

@@ -253,10 +253,83 @@ class LoadCosts:
             ) from None
 
 
+class OnlineCosts:
+    """The load-aware round costs as the server actually pays them: the start-up table
+    (LoadCosts, timed on a synthetic batch) times a correction learned from every round the
+    server runs. R(B, w) = table(B, w) · c(bucket(B), w > 0), where c is a running estimate
+    (exponentially weighted, weight `rate`) of observed / table seconds for the rounds of that
+    batch-size bucket (powers of two) that drafted (w > 0) or did not (w = 0); `overhead` is the
+    running mean of the seconds each loop iteration spends outside the round (admission
+    prefills), which every round pays whatever it drafts. A cell last updated more than `stale`
+    observations ago is replaced by its next observation, so a probe after a slow spell resets
+    the estimate at once.
+
+    Measured (benchmarks/NOTES.md, issue 28): the start-up table, timed on a repetitive prompt,
+    calls break-even rounds that cost more in service (mixed lengths, the drafter's catch-up
+    forwards, stray prefill), so the policy drafted where it lost."""
+
+    def __init__(self, table: LoadCosts, rate: float = 0.25, stale: int = 32) -> None:
+        self.table, self.rate, self.stale = table, rate, stale
+        self.ratio: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> observed / table
+        self.updated: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> observation number
+        self.overhead = 0.0
+        self.seen = 0
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, int(batch) - 1).bit_length()
+
+    def correction(self, batch: int, drafted: bool) -> float:
+        return self.ratio.get((self.bucket(batch), drafted), 1.0)
+
+    def record(self, batch: int, width: int, seconds: float, overhead: float = 0.0) -> None:
+        """One finished round of `batch` rows drafting up to `width` tokens took `seconds`
+        (the round itself), and the loop spent `overhead` seconds outside it."""
+        self.seen += 1
+        self.overhead += self.rate * (overhead - self.overhead)
+        predicted = self.table.at(batch).round_cost(width)
+        if predicted <= 0 or seconds <= 0:
+            return
+        key = (self.bucket(batch), width > 0)
+        r = seconds / predicted
+        old = self.ratio.get(key)
+        fresh = old is None or self.seen - self.updated.get(key, 0) > self.stale
+        self.ratio[key] = r if fresh else old + self.rate * (r - old)
+        self.updated[key] = self.seen
+
+    def at(self, batch: int) -> CostModel:
+        base = self.table.at(batch)
+        plain, drafting = self.correction(batch, False), self.correction(batch, True)
+        costs = {k: s * (drafting if k > 0 else plain) + self.overhead for k, s in base.round_s.items()}
+        return _Corrected(costs, batch, base, drafting, self.overhead)
+
+    def to_dict(self) -> dict:
+        return {
+            "overhead_s": self.overhead,
+            "corrections": {f"{b}{'+draft' if d else ''}": r for (b, d), r in sorted(self.ratio.items())},
+            "rounds": self.seen,
+        }
+
+
+@dataclass
+class _Corrected(CostModel):
+    """A CostModel whose k not in the table is read off the table's line, then corrected."""
+
+    base: CostModel | None = None
+    drafting: float = 1.0
+    overhead: float = 0.0
+
+    def round_cost(self, k: int) -> float:
+        if k in self.round_s or self.base is None:
+            return super().round_cost(k)
+        return self.base.round_cost(k) * self.drafting + self.overhead
+
+
 class LoadAwarePolicy:
     """Wraps a policy for a server: each round it caps the rows' draft lengths at the one that
     maximises the batch's expected tokens per second, Σ_b τ(α_b, min(k_b, cap)) / R_B(width),
-    where R_B is the measured round cost at the running batch size B (LoadCosts) and α_b each
+    where R_B is the round cost at the running batch size B (LoadCosts measured at start, or
+    OnlineCosts: that table corrected by the rounds actually run, see record()) and α_b each
     row's own acceptance so far (shrunk toward the pooled acceptance of every row seen).
     cap = 0 (no drafting) is always a candidate, so when the verification forward turns
     compute-bound at a large batch the rows stop drafting, and the server is never expected to
@@ -274,7 +347,7 @@ class LoadAwarePolicy:
     no draft length changes) are capped freely (exactness holds for any draft length)."""
 
     def __init__(
-        self, inner, costs: LoadCosts, params_of, min_tests: int = 16, probe_every: int = 16
+        self, inner, costs: LoadCosts | OnlineCosts, params_of, min_tests: int = 16, probe_every: int = 16
     ) -> None:
         self.inner, self.costs, self.params_of = inner, costs, params_of
         self.name = f"{inner.name}+load"
@@ -286,6 +359,7 @@ class LoadAwarePolicy:
         self.cap: int | None = None  # the last round's cap (None: no rows)
         self.min_tests, self.probe_every = min_tests, probe_every
         self.off, self.wait = 0, probe_every  # rounds capped at 0 since the last probe; the wait
+        self.width, self.batch = 0, 0  # the last planned round: its widest draft (its cost's k), its rows
 
     def add_rows(self, n: int) -> None:
         self.inner.add_rows(n)
@@ -340,13 +414,36 @@ class LoadAwarePolicy:
         best = max(caps, key=lambda c: (rate(c, alphas), -c))
         if best > 0:
             self.off, self.wait = 0, self.probe_every
-        elif max(caps, key=lambda c: (rate(c, [0.9] * len(ks)), -c)) > 0:
-            # off because acceptance looks low, though a good drafter would pay at this load:
-            # probe with one draft token now and then (each probe that finds nothing doubles
-            # the wait, up to 256 rounds), so an estimate spoilt by early rejections recovers
+        elif self._could_pay(ks, free, exempt, fixed_width):
+            # off, though drafting would pay at this load with a good drafter at the costs
+            # measured at start: probe with one draft token now and then (each probe that turns
+            # nothing on doubles the wait, up to 256 rounds), so an acceptance spoilt by early
+            # rejections, or a round cost learned in a slow spell, recovers
             self.off += 1
             if self.off >= self.wait:
                 best, self.off, self.wait = 1, 0, min(2 * self.wait, 256)
         self.cap = best
+        capped = [f if e or best >= k else min(k, best) for k, f, e in zip(ks, free, exempt)]
+        self.width, self.batch = max(max(capped), fixed_width), len(ks)
         self._uncapped = [e or best >= k for k, e in zip(ks, exempt)]
         return [k if e else min(k, best) for k, e in zip(ks, exempt)]
+
+    def _could_pay(self, ks: list[int], free: list[int], exempt: list[bool], fixed_width: int) -> bool:
+        """Would some cap > 0 beat no drafting if every row accepted 90% and rounds cost what
+        the start-up table says?"""
+        table = self.costs.table if isinstance(self.costs, OnlineCosts) else self.costs
+        cost = table.at(len(ks))
+
+        def rate(cap: int) -> float:
+            capped = [f if e or cap >= k else min(k, cap) for k, f, e in zip(ks, free, exempt)]
+            tokens = sum(expected_tokens_per_round(0.9, k) for k in capped)
+            return tokens / cost.round_cost(max(max(capped), fixed_width))
+
+        return max(range(max(ks) + 1), key=lambda c: (rate(c), -c)) > 0
+
+    def record(self, seconds: float, overhead: float = 0.0) -> None:
+        """The last round (the one next_k() planned) took `seconds`, and the loop spent
+        `overhead` seconds outside it: corrects the round costs when they are learned online
+        (OnlineCosts), else nothing."""
+        if isinstance(self.costs, OnlineCosts) and self.cap is not None:
+            self.costs.record(self.batch, self.width, seconds, overhead)

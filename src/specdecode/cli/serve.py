@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..options import DTYPES, SAMPLING_RULE_HELP, add_spec_flags, method_heads, spec_config, torch_dtype
+from ..options import (
+    DTYPE_HELP,
+    SAMPLING_RULE_HELP,
+    WEIGHT_FORMATS,
+    add_spec_flags,
+    method_heads,
+    spec_config,
+    weight_format,
+)
 from ..sampling import SAMPLING_RULES
 
 
@@ -27,14 +35,19 @@ def register(sub) -> None:
         metavar="MODEL",
         help="bundled name or model dir (default smollm2-135m)",
     )
-    s.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
+    s.add_argument(
+        "--draft",
+        metavar="MODEL",
+        help="draft model sharing the target's vocabulary (bundled or zoo name, or a model dir), "
+        "e.g. qwen2.5-coder-0.5b under --target qwen2.5-coder-1.5b",
+    )
     s.add_argument(
         "--method",
         help="drafting method: draft (default with --draft), ngram, early-exit, medusa, eagle, eagle3, "
-        "suffix, auto; 'none' for target-only. Default: auto for smollm2-135m (its bundled EAGLE-3 "
-        "drafter + suffix matches), none otherwise",
+        "suffix, auto (suffix when a long match exists, else the draft model or the bundled EAGLE-3 "
+        "drafter); 'none' for target-only. Default: auto for smollm2-135m, draft with --draft, else none",
     )
-    add_spec_flags(s, ("heads", "k", "policy", "tree", "tree_sampling"), k=None)
+    add_spec_flags(s, ("heads", "k", "policy", "tree", "tree_sampling", "draft_dtype", "draft_vocab"), k=None)
     s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -58,8 +71,10 @@ def register(sub) -> None:
     s.add_argument(
         "--dtype",
         default=None,
-        choices=tuple(DTYPES),
-        help="weights (default bf16 for smollm2-135m, else fp32)",
+        choices=WEIGHT_FORMATS,
+        help=DTYPE_HELP.replace("fp32 (default)", "fp32")
+        + ". Default: bf16 for smollm2-135m; for the Qwen2.5-Coder pair bf16 where this CPU packs bf16 "
+        "weights, else fp32 (with a bf16 draft); fp32 otherwise",
     )
     s.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     s.add_argument(
@@ -89,6 +104,36 @@ def register(sub) -> None:
         help="read the load-aware round costs from FILE if it exists, else measure them and write FILE",
     )
     s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="chunked prefill: the tokens one engine iteration feeds the target at most, the decoding rows' "
+        "and admitted prompts' together (at least one 64-token chunk of prefill), so a long prompt is "
+        "prefilled between the running rows' rounds instead of stalling them (default 512; 0: prefill each "
+        "prompt whole)",
+    )
+    s.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn automatic prefix caching off (default on: the keys and values of earlier prompts and "
+        "answers are kept in 64-token blocks and reused by requests that start with the same tokens, "
+        "e.g. a shared system prompt or a chat's earlier turns; exact, it needs the batch-invariant forward)",
+    )
+    s.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="memory the prefix cache may hold; the least recently used blocks go first (default 1024)",
+    )
+    s.add_argument(
+        "--no-online-costs",
+        action="store_true",
+        help="keep the round costs measured at start (default: correct them from the rounds the server "
+        "runs, so drafting turns itself off where it does not pay in service, and back on)",
+    )
+    s.add_argument(
         "--backend", default="auto", choices=("auto", "lean", "hf"), help="model runtime (default auto)"
     )
     s.set_defaults(func=_serve)
@@ -105,6 +150,27 @@ def check_args(args: argparse.Namespace) -> None:
     spec_config(args)  # k, policy, tree: SpecConfig's one-line errors before any model loads
     if args.load_costs and args.no_load_aware:
         raise SpecDecodeError("--load-costs is read by the load-aware policy; drop --no-load-aware")
+    if args.max_num_batched_tokens < 0:
+        raise SpecDecodeError(
+            f"--max-num-batched-tokens must be >= 0 (0: off), got {args.max_num_batched_tokens}"
+        )
+    if args.prefix_cache_mb < 0:
+        raise SpecDecodeError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.draft_dtype and not args.draft and args.method not in ("eagle", "eagle3", "medusa", "auto", None):
+        raise SpecDecodeError(
+            "--draft-dtype needs --draft MODEL (or a method with trained heads: eagle, eagle3, medusa)"
+        )
+
+
+def default_dtypes(target: str) -> tuple[str, str | None]:
+    """(target, draft) weight formats when --dtype / --draft-dtype are not given."""
+    from ..demo import PAIR_TARGET, pair_dtypes
+
+    if target == PAIR_TARGET:
+        return pair_dtypes()
+    if target == "smollm2-135m":
+        return "bf16", None
+    return "fp32", None
 
 
 def build(args: argparse.Namespace):
@@ -112,7 +178,7 @@ def build(args: argparse.Namespace):
 
     from ..engine import SpeculativeGenerator
     from ..models import ZOO, load, resolve, resolve_device
-    from ..policy import LoadCosts
+    from ..policy import LoadCosts, OnlineCosts
 
     zoo = args.target in ZOO
     method = args.method if args.method is not None else ("auto" if zoo and not args.draft else None)
@@ -120,12 +186,19 @@ def build(args: argparse.Namespace):
         method = None
     if method is None and args.draft:
         method = "draft"
-    k = args.k or (2 if zoo else 4)
-    dtype_name = args.dtype or ("bf16" if zoo else "fp32")
-    device, dtype = resolve_device(args.device), torch_dtype(dtype_name)
+    k = args.k or (2 if args.target == "smollm2-135m" else 4)
+    target_fmt, draft_fmt = default_dtypes(args.target)
+    target_fmt = args.dtype or target_fmt
+    device, (dtype, quant) = resolve_device(args.device), weight_format(target_fmt)
+    draft_name = args.draft_dtype or (draft_fmt if args.dtype is None else None) or target_fmt
+    draft_dtype, draft_quant = weight_format(draft_name)
     resolve(args.target, dtype)
-    target = load(args.target, backend=args.backend, dtype=dtype, device=device)
-    draft = load(args.draft, backend=args.backend, dtype=dtype, device=device) if args.draft else None
+    if args.draft:
+        resolve(args.draft, draft_dtype)
+    target = load(args.target, backend=args.backend, dtype=dtype, device=device, quant=quant)
+    draft = None
+    if args.draft:
+        draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device, quant=draft_quant)
     config = spec_config(
         args,
         method=method,
@@ -138,11 +211,17 @@ def build(args: argparse.Namespace):
 
     if gen.drafter is not None and not args.no_load_aware:
         if args.load_costs and Path(args.load_costs).exists():
-            gen.load_costs = LoadCosts.load(args.load_costs)
+            table = LoadCosts.load(args.load_costs)
         else:
-            gen.load_costs = calibrate(gen, batch_sizes(args.max_batch))
+            table = calibrate(gen, batch_sizes(args.max_batch))
             if args.load_costs:
-                gen.load_costs.save(args.load_costs)
+                table.save(args.load_costs)
+        gen.load_costs = table if args.no_online_costs else OnlineCosts(table)
+    if not args.no_prefix_cache and args.prefix_cache_mb > 0:
+        try:
+            gen.enable_prefix_cache(args.prefix_cache_mb << 20)
+        except SpecDecodeError as e:
+            print(f"specdecode serve: prefix cache off: {e}", file=sys.stderr)
     server = Server(
         gen,
         args.served_model_name or args.target,
@@ -151,8 +230,31 @@ def build(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         default_max_tokens=args.max_tokens,
         sampling_rule=args.sampling_rule,
+        max_num_batched_tokens=args.max_num_batched_tokens or None,
     )
     return gen, server
+
+
+def memory_line(gen, args: argparse.Namespace) -> str:
+    """What the server holds in memory at start: each model's weights, the prefix cache's budget
+    and the process's resident set."""
+    import resource
+
+    def gb(n: float) -> str:
+        return f"{n / 1e9:.2f} GB"
+
+    parts = []
+    weights = getattr(gen.target, "weight_bytes", None)
+    if weights is not None:
+        parts.append(f"target weights {gb(weights())}")
+    model = getattr(gen.drafter, "model", None) or getattr(getattr(gen.drafter, "inner", None), "model", None)
+    if model is not None and getattr(model, "weight_bytes", None) is not None:
+        parts.append(f"draft weights {gb(model.weight_bytes())}")
+    if gen.prefix_cache is not None:
+        parts.append(f"prefix cache up to {gb(gen.prefix_cache.budget)}")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    parts.append(f"process peak RSS {gb(rss)}")
+    return "specdecode serve: memory: " + ", ".join(parts)
 
 
 def calibrate(gen, sizes: list[int]):
@@ -178,6 +280,7 @@ def _serve(args: argparse.Namespace) -> int:
     gen, server = build(args)
     what = f"{gen.method}, k = {gen.k}" if gen.method else "no speculation"
     inv = "batch-invariant" if gen.batch_invariant else "plain forward"
+    print(memory_line(gen, args), file=sys.stderr)
     print(
         f"specdecode serve: {args.served_model_name or args.target} ({what}; {inv}; "
         f"max batch {args.max_batch}) on http://{args.host}:{args.port}/v1",

@@ -111,9 +111,26 @@ class Drafter:
         raise NotImplementedError
 
     def start(self, ctx: DraftContext, target_cache: Cache) -> Any:
-        """A new batch begins (its target cache holds every token but the pending one): return
-        the per-batch state (caches, features) the other calls receive."""
+        """New rows are admitted (their target cache is being prefilled): return the per-batch
+        state (caches, features) the other calls receive. The drafter's own prefill happens in
+        prefill() and observe(), chunk by chunk, before the rows' first round."""
         return None
+
+    def prefill(self, state: Any, ctx: DraftContext, lengths: torch.Tensor) -> None:
+        """The target cache of row b now holds its first lengths[b] tokens: bring the drafter's
+        own per-token state (a draft model's cache) that far. Default: nothing to do."""
+
+    # prefix caching (prefix.py): a drafter with per-token state of its own (features, a draft
+    # model's cache) keeps it in the cached blocks, and a prompt is reused only as far as its
+    # blocks carry that state
+    keeps_prefix: ClassVar[bool] = False
+
+    def save_prefix(self, state: Any, row: int, start: int) -> Any:
+        """A copy of row `row`'s own state for tokens start .. start + 63 (None if it has none yet)."""
+        return None
+
+    def load_prefix(self, state: Any, row: int, start: int, saved: Any) -> None:
+        """Put state saved by save_prefix() back at row `row`, tokens start .. start + 63."""
 
     def propose(
         self, state: Any, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None

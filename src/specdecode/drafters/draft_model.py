@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import KEY_CHUNK, KVCache
 from ..errors import SpecDecodeError
 from ..models.base import Cache, CausalLM, ForwardMeta, extend
 from ..tree import TokenTree
@@ -61,11 +62,26 @@ class DraftModelDrafter(Drafter):
             raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
         return cls(draft, target, config.draft_vocab)
 
+    keeps_prefix = True
+
     def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
-        state = DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
-        if int(ctx.lengths.max()) > 1:  # prefill with the target's (all but the pending token)
-            extend(self.model, state.cache, ctx.tokens, ctx.lengths - 1, need_logits=False)
-        return state
+        return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
+
+    def prefill(self, state: DraftModelState, ctx: DraftContext, lengths: torch.Tensor) -> None:
+        """Feed the draft model the tokens the target has prefilled (with the target's chunks)."""
+        lengths = torch.maximum(lengths, state.cache.lengths)
+        if bool((lengths > state.cache.lengths).any()):
+            extend(self.model, state.cache, ctx.tokens, lengths, need_logits=False)
+
+    def save_prefix(self, state: DraftModelState, row: int, start: int):
+        cache = state.cache
+        if not isinstance(cache, KVCache) or int(cache.lengths[row]) < start + KEY_CHUNK:
+            return None
+        return cache.read_block(row, start)
+
+    def load_prefix(self, state: DraftModelState, row: int, start: int, saved) -> None:
+        state.cache.write_block(row, start, *saved)
+        state.cache.lengths[row] = start + KEY_CHUNK
 
     @torch.inference_mode()
     def propose(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..cache import KEY_CHUNK
 from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
@@ -108,6 +109,14 @@ class FeatureDrafter(Drafter):
         d, dtype = self.feature_size, self.target.dtype
         feats = torch.zeros(ctx.size, ctx.capacity, d, dtype=dtype, device=ctx.device)
         return EagleState(self.layer.new_cache(ctx.size, ctx.capacity), feats)
+
+    keeps_prefix = True
+
+    def save_prefix(self, state: EagleState, row: int, start: int):
+        return state.feats[row, start : start + KEY_CHUNK].clone()
+
+    def load_prefix(self, state: EagleState, row: int, start: int, saved) -> None:
+        state.feats[row, start : start + KEY_CHUNK] = saved
 
     def observe(
         self, state: EagleState, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor

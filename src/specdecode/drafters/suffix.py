@@ -259,6 +259,21 @@ class AutoDrafter(Drafter):
         inner = self.inner.start(ctx, target_cache) if self.inner is not None else None
         return (self.suffix.start(ctx, target_cache), inner)
 
+    @property
+    def keeps_prefix(self) -> bool:  # type: ignore[override]
+        return self.inner is not None and self.inner.keeps_prefix
+
+    def prefill(self, state, ctx, lengths) -> None:
+        if self.inner is not None:
+            self.inner.prefill(state[1], ctx, lengths)
+
+    def save_prefix(self, state, row: int, start: int):
+        return self.inner.save_prefix(state[1], row, start) if self.inner is not None else None
+
+    def load_prefix(self, state, row: int, start: int, saved) -> None:
+        if self.inner is not None:
+            self.inner.load_prefix(state[1], row, start, saved)
+
     def observe(self, state, hidden, start, count) -> None:
         if self.inner is not None:
             self.inner.observe(state[1], hidden, start, count)

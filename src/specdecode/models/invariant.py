@@ -116,7 +116,9 @@ class InvariantAttention:
         shared = nc if self.order is None else self.shared
         per_chunk = []
         if shared:
-            v = values[:shared].view(shared * BH, KEY_CHUNK, D)  # contiguous: no copy
+            # contiguous for a batch (no copy); a one-row view of a batch cache (a row prefilled
+            # on its own) is copied, which changes no value
+            v = values[:shared].reshape(shared * BH, KEY_CHUNK, D)
             ps = p.view(BH, M0, nc, KEY_CHUNK)[:, :, :shared]
             ps = ps.permute(2, 0, 1, 3).reshape(shared * BH, M0, KEY_CHUNK)
             per_chunk.append(torch.bmm(ps, v).view(shared, BH, M0, D))

@@ -56,12 +56,16 @@ class Server:
         max_model_len: int | None = None,
         default_max_tokens: int = 256,
         sampling_rule: str = "auto",
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """sampling_rule: the rule of requests that name none: standard, invariant, or auto
-        (invariant for seeded requests, standard otherwise)."""
+        (invariant for seeded requests, standard otherwise). max_num_batched_tokens: the tokens
+        one engine iteration feeds at most, decoding rows and prefill chunks together (None:
+        admissions are prefilled whole). Prefix caching is the generator's
+        (SpeculativeGenerator.enable_prefix_cache)."""
         self.gen = gen
         self.metrics = Metrics()
-        self.engine = EngineLoop(gen, self.metrics, max_batch, max_queue)
+        self.engine = EngineLoop(gen, self.metrics, max_batch, max_queue, max_num_batched_tokens)
         self.max_model_len = max_model_len or context_length(gen)
         self.app = create_app(self.engine, model_id, self.max_model_len, default_max_tokens, sampling_rule)
         self._uvicorn = None

@@ -1,8 +1,12 @@
-"""The engine loop: one thread owns the SpeculativeGenerator's running batch. Between rounds it
+"""The engine loop: one thread owns the SpeculativeGenerator's running batch. Each iteration it
 drops the rows of cancelled requests, admits waiting requests (as many rows as the batch has
-room for, one prefill per group), then runs ONE round for every live row and hands each
-request its rows' new tokens. Nothing a request carries can stop the loop: an error inside a
-round fails the requests in that batch (HTTP 500 for them) and the loop starts a fresh batch.
+room for), prefills admitted prompts (in chunks of at most --max-num-batched-tokens tokens while
+other rows are decoding, so a long prompt never stalls them for its whole length; a request's
+rows join the batch when their prompt is cached), then runs ONE round for every live row and
+hands each request its rows' new tokens. Each round's wall time and the time spent prefilling
+go to the load-aware policy, which corrects its round costs from them (policy.OnlineCosts).
+Nothing a request carries can stop the loop: an error inside a round fails the requests in that
+batch (HTTP 500 for them) and the loop starts a fresh batch.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..engine import Generation, SpeculativeGenerator
+from ..engine import Generation, Prefill, SpeculativeGenerator
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import APIError
@@ -74,11 +78,21 @@ class EngineLoop:
     """Runs the batch in a daemon thread; submit() and cancel() are safe from any thread."""
 
     def __init__(
-        self, gen: SpeculativeGenerator, metrics: Metrics, max_batch: int = 32, max_queue: int = 256
+        self,
+        gen: SpeculativeGenerator,
+        metrics: Metrics,
+        max_batch: int = 32,
+        max_queue: int = 256,
+        max_batched_tokens: int | None = None,
     ) -> None:
+        """max_batched_tokens: the tokens one iteration may feed the target, the running rows'
+        (1 + k each) and prefill chunks together (at least one 64-token chunk of prefill);
+        None: prefill each admission whole."""
         self.gen, self.metrics = gen, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batched_tokens = max_batched_tokens
         self.waiting: collections.deque[Job] = collections.deque()
+        self.prefilling: list[tuple[Job, Prefill]] = []  # admitted, prompt not yet cached
         self.running: dict[int, tuple[Job, int]] = {}  # row id -> (request, choice index)
         self.requests: set[Job] = set()
         self.run: Generation | None = None
@@ -130,15 +144,18 @@ class EngineLoop:
     def _main(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and not self.waiting and not self.running and not self.prefilling:
                     self._cv.wait(timeout=0.5)  # wakes for Ctrl-C in the main thread
                 if self._stop:
                     return
             try:
                 self._drop_cancelled()
+                t0 = time.perf_counter()
                 self._admit()
+                self._prefill()
+                overhead = time.perf_counter() - t0
                 if self.running:
-                    self._round()
+                    self._round(overhead)
             except Exception as e:  # noqa: BLE001 — the loop must survive anything
                 self._fail_all(e)
 
@@ -148,6 +165,12 @@ class EngineLoop:
             for r in gone:
                 self.waiting.remove(r)
                 self.metrics.request_done("abort")
+        for req, prefill in [(r, p) for r, p in self.prefilling if r.cancelled]:
+            self.prefilling.remove((req, prefill))
+            for row in prefill.rows.ids:
+                self.run.forget(row)
+            self.requests.discard(req)
+            self.metrics.request_done("abort")
         rows = [row for row, (req, _) in self.running.items() if req.cancelled]
         if not rows:
             return
@@ -163,41 +186,95 @@ class EngineLoop:
     def _admit(self) -> None:
         batch: list[Job] = []
         with self._cv:
-            room = self.max_batch - len(self.running)
+            room = self.max_batch - len(self.running) - sum(len(r.params) for r, _ in self.prefilling)
             while self.waiting and len(self.waiting[0].params) <= room:
                 req = self.waiting.popleft()
                 room -= len(req.params)
                 batch.append(req)
         if not batch:
             return
-        prompts = [r.prompt_ids for r in batch for _ in r.params]
-        params = [p for r in batch for p in r.params]
-        try:
-            if self.run is None:
+        if self.run is None:  # a fresh batch: these prompts are prefilled whole, nobody waits
+            prompts = [r.prompt_ids for r in batch for _ in r.params]
+            params = [p for r in batch for p in r.params]
+            try:
                 self.run = self.gen.stream(prompts, params)
-                ids = list(range(len(prompts)))
-            else:
-                ids = self.run.add_many(prompts, params)
-        except Exception as e:  # noqa: BLE001 — e.g. out of memory on a long prompt
+            except Exception as e:  # noqa: BLE001 — e.g. out of memory on a long prompt
+                for r in batch:
+                    self._refuse(r, e)
+                return
+            it = iter(range(len(prompts)))
             for r in batch:
-                r.put(Update({}, {}, [], APIError(500, f"admission failed: {e}")))
-                self.metrics.request_done("error")
-            self.run = None if not self.running else self.run
+                self._joined(r, [next(it) for _ in r.params])
+            self._prefix_metrics()
             return
-        it = iter(ids)
         for r in batch:
-            r.rows = [next(it) for _ in r.params]
-            for i, row in enumerate(r.rows):
-                self.running[row] = (r, i)
-            self.requests.add(r)
-            self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+            try:
+                self.prefilling.append((r, self.run.begin([r.prompt_ids] * len(r.params), r.params)))
+                self.requests.add(r)
+            except Exception as e:  # noqa: BLE001
+                self._refuse(r, e)
+
+    def _prefill(self) -> None:
+        """Feed the admitted prompts, the oldest first: all of them when no row is decoding (or
+        chunking is off), else at most the iteration's token budget less the running rows'."""
+        if not self.prefilling:
+            return
+        budget = None
+        if self.max_batched_tokens is not None and self.running:
+            decode = len(self.running) * (1 + (self.gen.k if self.gen.drafter is not None else 0))
+            budget = max(self.max_batched_tokens - decode, 64)
+        for req, prefill in list(self.prefilling):
+            try:
+                fed = prefill.step(budget)
+                self.metrics.prefill_tokens.inc(fed)
+                if prefill.done:
+                    self.prefilling.remove((req, prefill))
+                    self._joined(req, self.run.join(prefill))
+            except Exception as e:  # noqa: BLE001 — e.g. out of memory on a long prompt
+                self.prefilling.remove((req, prefill))
+                self.requests.discard(req)
+                self._refuse(req, e)
+                continue
+            if budget is not None:
+                budget -= fed
+                if budget <= 0:
+                    break
+        self._prefix_metrics()
+
+    def _joined(self, req: Job, rows: list[int]) -> None:
+        req.rows = rows
+        for i, row in enumerate(rows):
+            self.running[row] = (req, i)
+        self.requests.add(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._gauges()
 
-    def _round(self) -> None:
+    def _refuse(self, req: Job, e: Exception) -> None:
+        req.put(Update({}, {}, [], APIError(500, f"admission failed: {e}")))
+        self.metrics.request_done("error")
+
+    def _prefix_metrics(self) -> None:
+        cache = self.gen.prefix_cache
+        if cache is None:
+            return
+        st, seen = cache.stats, getattr(self, "_prefix_seen", (0, 0))
+        self.metrics.prefix_queries.inc(st.queried - seen[0])
+        self.metrics.prefix_hits.inc(st.hit - seen[1])
+        self._prefix_seen = (st.queried, st.hit)
+        self.metrics.prefix_bytes.set(cache.bytes)
+
+    def _round(self, overhead: float = 0.0) -> None:
         run = self.run
+        t0 = time.perf_counter()
         event = next(run)
         self.rounds += 1
         now = time.perf_counter()
+        record = getattr(run.policy, "record", None)
+        if record is not None:  # the load-aware policy learns what rounds really cost
+            record(now - t0, overhead)
+            costs = getattr(run.policy, "costs", None)
+            if hasattr(costs, "correction"):
+                self.metrics.round_cost.set(costs.correction(len(event.rows), True))
         verdict = event.verdict
         drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
         self.metrics.round(
@@ -250,6 +327,7 @@ class EngineLoop:
             self.metrics.request_done("error")
         self.requests.clear()
         self.running.clear()
+        self.prefilling.clear()
         self.run = None
         self._gauges()
 

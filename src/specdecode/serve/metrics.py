@@ -63,6 +63,23 @@ class Metrics:
             P + "e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY, registry=r
         )
 
+        self.prefix_queries = Counter(
+            P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            P + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.prefix_bytes = Gauge(P + "prefix_cache_bytes", "Bytes held by the prefix cache", registry=r)
+        self.prefill_tokens = Counter(
+            P + "prefill_tokens", "Prompt tokens prefilled (not taken from the prefix cache)", registry=r
+        )
+        self.round_cost = Gauge(
+            P + "round_cost_correction",
+            "Learned round cost / start-up table, for rounds that draft (1: as measured at start)",
+            registry=r,
+        )
+        self.round_cost.set(1.0)
+
     def round(self, drafted: list[int], accepted: list[int], emitted: int, cap: int | None) -> None:
         self.rounds.inc()
         self.generation_tokens.inc(emitted)

@@ -1,0 +1,153 @@
+"""Admission: filling a new group of rows' caches before they decode, at once or in chunks.
+
+A Prefill holds rows that are admitted but not decoding yet: their target cache, the drafter's
+state for them, and how far each row's prompt is cached. step(budget) feeds at most `budget`
+prompt tokens (None: all), so a server can interleave a long prompt's prefill with the running
+rows' rounds (chunked prefill, vLLM's --max-num-batched-tokens) instead of stalling them all for
+its whole length. Chunking changes nothing in the output: the batch-invariant forward computes
+each token's keys and values independently of how many tokens share the forward (and a plain
+forward's differ by rounding only, as between any two batch shapes).
+
+With a PrefixCache, a row first takes the longest run of cached blocks its prompt starts with
+(at least one prompt token is always prefilled, so the drafter sees the target's state after it),
+and the blocks of every prefilled prompt (and, at retirement, of every finished row) are stored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .cache import KVCache
+from .models.base import extend
+from .prefix import BLOCK, PrefixCache
+from .rows import Rows
+
+
+def prefix_capable(spec, cache) -> bool:
+    """Blocks can be copied in and out of this cache, and reusing them is exact (batch-invariant)."""
+    return spec.invariant and type(cache) is KVCache
+
+
+class Prefill:
+    """Rows admitted but not decoding yet; see the module docstring."""
+
+    def __init__(self, spec, rows: Rows, prefix: PrefixCache | None = None) -> None:
+        self.started = time.perf_counter()
+        self.spec, self.rows = spec, rows
+        self.cache = spec.new_cache(rows.size, rows.tokens.shape[1])
+        self.drafter = spec.drafter
+        self.state = self.drafter.start(rows.context(), self.cache) if self.drafter is not None else None
+        self.goal = rows.lengths - 1  # every prompt token but the pending one is cached
+        self.prefix = prefix if prefix is not None and prefix_capable(spec, self.cache) else None
+        self.reused = [0] * rows.size  # prompt tokens each row took from the prefix cache
+        self.outputs: list = []  # the rows' RowOutputs (set by the Generation)
+        if self.prefix is not None:
+            self._reuse()
+
+    @property
+    def done(self) -> bool:
+        return bool((self.cache.lengths >= self.goal).all())
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill."""
+        return int((self.goal - self.cache.lengths).clamp(min=0).sum())
+
+    def _reuse(self) -> None:
+        keeps = self.drafter is not None and self.drafter.keeps_prefix
+        needs_hidden = self.spec.needs.hidden
+        for b in range(self.rows.size):
+            n = int(self.goal[b])
+            tokens = self.rows.tokens[b, :n].tolist()
+            blocks = self.prefix.match(tokens, n - 1 if needs_hidden else n, drafter_state=keeps)
+            for i, block in enumerate(blocks):
+                self.cache.write_block(b, i * BLOCK, block.k, block.v)
+                if keeps:
+                    self.drafter.load_prefix(self.state, b, i * BLOCK, block.drafter)
+            self.cache.lengths[b] = len(blocks) * BLOCK
+            self.reused[b] = len(blocks) * BLOCK
+
+    @torch.inference_mode()
+    def step(self, budget: int | None) -> int:
+        """Prefill up to `budget` more prompt tokens (None: all that remain), the earliest rows
+        first; returns how many were fed."""
+        start = self.cache.lengths.clone()
+        todo = (self.goal - start).clamp(min=0)
+        if budget is not None:
+            left = torch.cumsum(todo, 0) - todo  # tokens of the rows before each
+            todo = torch.minimum(todo, (budget - left).clamp(min=0))
+        fed = int(todo.sum())
+        if fed == 0:
+            return 0
+        upto = start + todo
+        spec, rows, cache = self.spec, self.rows, self.cache
+        needs, aux = spec.needs, spec.needs.aux_layers
+        if not (spec.invariant and rows.size > 1):
+            hidden = extend(spec.target, cache, rows.tokens, upto, needs.hidden, False, aux)[1]
+        else:  # row by row: a row's cache holds what it would hold in a batch of one
+            hiddens = []
+            for b in range(rows.size):
+                if int(todo[b]) == 0:
+                    hiddens.append(None)
+                    continue
+                _, h = extend(
+                    spec.target,
+                    cache.row(b),
+                    rows.tokens[b : b + 1],
+                    upto[b : b + 1],
+                    needs.hidden,
+                    False,
+                    aux,
+                )
+                cache.lengths[b] = upto[b]
+                hiddens.append(h)
+            hidden = _stack(hiddens, rows.size) if needs.hidden else None
+        if self.drafter is not None:
+            if hidden is not None:  # features of the tokens just fed
+                self.drafter.observe(self.state, hidden, start, todo)
+            self.drafter.prefill(self.state, rows.context(), upto)
+        return fed
+
+    @torch.inference_mode()
+    def finish(self) -> tuple[Rows, Any, Any]:
+        """The rows, their target cache and drafter state, ready to join a batch; the prompts'
+        blocks go into the prefix cache."""
+        took = time.perf_counter() - self.started
+        for out in self.outputs:
+            out.stats.prefill_s = took
+        if self.prefix is not None:
+            for b in range(self.rows.size):
+                remember(self.prefix, self.spec, self.rows, self.cache, self.state, b)
+        return self.rows, self.cache, self.state
+
+
+def _stack(hiddens: list[torch.Tensor | None], B: int) -> torch.Tensor | None:
+    fed = [h for h in hiddens if h is not None]
+    if not fed:
+        return None
+    out = fed[0].new_zeros(B, max(h.shape[1] for h in fed), fed[0].shape[-1])
+    for b, h in enumerate(hiddens):
+        if h is not None:
+            out[b, : h.shape[1]] = h[0]
+    return out
+
+
+def remember(prefix: PrefixCache, spec, rows: Rows, cache, state, b: int) -> None:
+    """Store row b's whole blocks of cached tokens (and the drafter's state for them)."""
+    if not prefix_capable(spec, cache):
+        return
+    count = int(cache.lengths[b])
+    if count < BLOCK:
+        return
+    drafter = spec.drafter
+    save = None
+    if drafter is not None and drafter.keeps_prefix:
+
+        def save(start: int):
+            return drafter.save_prefix(state, b, start)
+
+    tokens = rows.tokens[b, :count].tolist()
+    prefix.insert(tokens, count, lambda start: cache.read_block(b, start), save)
