@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from specdecode import SamplingParams, SpeculativeGenerator, load  # noqa: E402
-from specdecode.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, RoundOutcome  # noqa: E402
+from specdecode.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome  # noqa: E402
 from specdecode.serve import Server  # noqa: E402
 from specdecode.serve.loop import EngineLoop, Job  # noqa: E402
 from specdecode.serve.metrics import Metrics  # noqa: E402
@@ -55,11 +55,18 @@ def make_gen(target_dir: Path, load_costs=None) -> SpeculativeGenerator:
     return SpeculativeGenerator(target, draft, k=K, batch_invariant=True, load_costs=load_costs)
 
 
+PREFIX_BUDGET = 8 << 20  # about a dozen blocks of this target's (and its draft's) keys and values
+
+
 @pytest.fixture(scope="module")
 def server(chat_target):
+    """As `specdecode serve` runs by default: round costs measured at start and learned online,
+    prefix caching on (a small budget, so tests run it full and evicting), chunked prefill (a
+    small budget, so prompts of more than 64 tokens are fed in chunks while others decode)."""
     gen = make_gen(chat_target)
-    gen.load_costs = gen.measure_load_costs([1, 2, 4, 8, 16, 32])
-    srv = Server.start(gen, MODEL, max_batch=32, max_model_len=512)
+    gen.load_costs = OnlineCosts(gen.measure_load_costs([1, 2, 4, 8, 16, 32]))
+    gen.enable_prefix_cache(PREFIX_BUDGET)
+    srv = Server.start(gen, MODEL, max_batch=32, max_model_len=512, max_num_batched_tokens=96)
     yield srv
     srv.stop()
 
@@ -273,6 +280,112 @@ def test_32_concurrent_clients_match_offline_and_alone(server, chat_target):
     ) < (solo_rounds / 2)
 
 
+def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_token(server, chat_target):
+    """A 400-token prompt arrives while 8 streams decode: it is fed in chunks of the server's
+    token budget between their rounds (they keep getting tokens meanwhile), and every answer is
+    offline generation's."""
+    offline_gen = make_gen(chat_target)
+    greedy = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    long_prompt = [(13 * j) % 1900 + 20 for j in range(400)]
+    fed = metric(server, "specdecode:prefill_tokens_total")
+    rounds = server.engine.rounds
+
+    def request(i: int) -> tuple[int, dict]:
+        if i == 8:
+            time.sleep(0.3)  # the others are decoding by now
+            body = {
+                "model": MODEL,
+                "prompt": long_prompt,
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        else:
+            body = {
+                "model": MODEL,
+                "prompt": PROMPTS[i],
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        return post(server, "/v1/completions", body)
+
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        out = list(pool.map(request, range(9)))
+    assert all(code == 200 for code, _ in out)
+    prompts = [*PROMPTS[:8], long_prompt]
+    assert [o["choices"][0]["text"] for _, o in out] == [
+        offline_gen.generate([p], greedy)[0].text for p in prompts
+    ]
+    assert metric(server, "specdecode:prefill_tokens_total") - fed >= 399 - 64  # less what the cache had
+    assert server.engine.rounds > rounds
+
+
+def test_a_shared_system_prompt_is_prefilled_once(server, chat_target):
+    """Chat requests with one long system prompt: the later ones take its blocks from the prefix
+    cache, and answer what offline generation (no cache) answers."""
+    system = "汝乃史官，" + "记天下大势，分久必合，合久必分。" * 12
+    hits = metric(server, "specdecode:prefix_cache_hits_total")
+    offline_gen = make_gen(chat_target)
+    answers = []
+    for question in ("说曹操", "说刘备", "说孙权"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0}
+        code, out = post(server, "/v1/chat/completions", body)
+        assert code == 200
+        answers.append(out["choices"][0]["message"]["content"])
+        params = SamplingParams(temperature=0, max_new_tokens=16)
+        assert answers[-1] == offline_gen.generate([messages], params)[0].text
+    assert metric(server, "specdecode:prefix_cache_hits_total") - hits >= 2 * 64
+
+
+def test_the_server_stops_drafting_when_rounds_get_slow_and_drafts_again_when_they_do_not(chat_target):
+    """Every target forward takes 20 ms more (so drafting pays), then the drafter is made slow
+    on purpose (60 ms a round): the learned costs turn drafting off; once the drafter is fast
+    again a probe sees it and drafting comes back. The start-up table is the one a 20 ms
+    target gives, so only what is learned online can turn drafting off."""
+    gen = make_gen(chat_target)
+    gen.load_costs = OnlineCosts(
+        LoadCosts({1: {0: 0.021, 1: 0.023, 4: 0.026}, 2: {0: 0.022, 1: 0.024, 4: 0.027}})
+    )
+    forward, propose, slow = gen.target.forward, gen.drafter.propose, {"on": False}
+
+    def target_forward(*args, **kw):
+        time.sleep(0.02)
+        return forward(*args, **kw)
+
+    def drafter_propose(*args, **kw):
+        if slow["on"]:
+            time.sleep(0.06)
+        return propose(*args, **kw)
+
+    gen.target.forward, gen.drafter.propose = target_forward, drafter_propose
+    srv = Server.start(gen, MODEL, max_batch=2, max_model_len=4096)
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        body = {"prompt": "天下", "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+
+        def caps_for(seconds: float) -> list[int]:
+            caps, end = [], time.time() + seconds
+            while time.time() < end:
+                caps.append(int(metric(srv, "specdecode:draft_length_cap")))
+                time.sleep(0.02)
+            return caps
+
+        assert 4 in caps_for(1.5)  # drafting at the start-up costs
+        slow["on"] = True
+        assert caps_for(3.0)[-20:].count(0) >= 18  # learned: drafting loses (a probe now and then)
+        slow["on"] = False
+        back = caps_for(6.0)[-50:]  # a probe found rounds fast again: drafting, at the k that pays
+        assert sum(c > 0 for c in back) >= 45, back
+    finally:
+        conn.close()
+        srv.stop()
+
+
 # -- disconnects and memory -----------------------------------------------------------------
 
 
@@ -299,14 +412,18 @@ def test_disconnect_mid_stream_frees_the_row(server):
 
 
 def test_memory_stays_flat_over_1000_requests(server):
+    """1,200 requests, each with its own 70-token prompt, so the prefix cache fills to its budget
+    in the warm-up and evicts through the measured 1,000."""
     psutil = pytest.importorskip("psutil")
     proc = psutil.Process(os.getpid())
     host, port = server.url.removeprefix("http://").split(":")
+    cache = server.gen.prefix_cache
 
     def client(ids: range) -> None:  # one keep-alive connection per client
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         for i in ids:
-            body = {"prompt": [20 + i % 500, 30], "max_tokens": 4, "temperature": 1.0, "logprobs": 1}
+            prompt = [20 + (i * 7 + j) % 1900 for j in range(70)]
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 1.0, "logprobs": 1}
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
             r = conn.getresponse()
             assert r.status == 200, r.read()
@@ -317,11 +434,14 @@ def test_memory_stays_flat_over_1000_requests(server):
         with concurrent.futures.ThreadPoolExecutor(clients) as pool:
             list(pool.map(client, [range(c, n, clients) for c in range(clients)]))
 
-    requests(200)  # warm-up: allocator pools, caches, batch shapes
+    requests(200)  # warm-up: allocator pools, caches, batch shapes, the prefix cache full
+    assert cache.bytes > 0.8 * cache.budget
+    evicted = cache.stats.evicted
     before = proc.memory_info().rss
     requests(1000)
     after = proc.memory_info().rss
     assert after <= 1.10 * before, f"RSS {before / 2**20:.0f} MB -> {after / 2**20:.0f} MB"
+    assert cache.bytes <= cache.budget and cache.stats.evicted > evicted
     assert server.engine.batch_size == 0 and not server.engine.requests
     assert server.engine.run is None or all(o is None for o in server.engine.run.outputs)
 

@@ -201,6 +201,41 @@ def test_smollm2_invariant_rule_seeded_samples_equal_target_only_bf16():
         assert [r.token_ids for r in gen.generate(chats, params)] == want, kw
 
 
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "eagle3" / "config.json").exists(),
+    reason="no bundled EAGLE-3 drafter for smollm2-135m in this checkout",
+)
+def test_smollm2_chunked_and_prefix_cached_prefills_write_the_bits_of_a_whole_one_bf16():
+    """bf16, batch-invariant: a prompt prefilled in 37-token chunks, or continued from another
+    request's cached blocks, holds bit for bit the keys and values of a whole prefill (a prefill
+    from an empty cache once ran SDPA's causal kernel, whose result for a query depends on how
+    many queries share the call: chunked prefill then changed the cache), and the server's
+    default method (auto: EAGLE-3 + suffix) answers the same with and without the cache."""
+    from specdecode.models.base import extend
+    from specdecode.options import method_heads
+
+    target = load("smollm2-135m", dtype=torch.bfloat16)
+    system = {"role": "system", "content": "You are a careful assistant. Keep answers short. " * 3}
+    chats = [[system, {"role": "user", "content": c}] for c in CHATS]
+    gen = SpeculativeGenerator(
+        target, method="auto", k=2, heads=method_heads("smollm2-135m", "auto", None), batch_invariant=True
+    )
+    ids = gen.encode(chats[0])
+    n = len(ids) - 1
+    whole, chunked = gen.spec.new_cache(1, 256), gen.spec.new_cache(1, 256)
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        extend(target, whole, tokens, torch.tensor([n]), need_logits=False)
+        for upto in range(37, n + 37, 37):
+            extend(target, chunked, tokens, torch.tensor([min(upto, n)]), need_logits=False)
+    assert torch.equal(whole.k[:, :, :, :n], chunked.k[:, :, :, :n])
+    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    cold = [gen.generate(c, params)[0].token_ids for c in chats]
+    gen.enable_prefix_cache(256 << 20)
+    warm = [gen.generate(c, params)[0].token_ids for c in chats]  # the second reuses the system prompt
+    assert gen.prefix_cache.stats.hit >= 16 and warm == cold
+
+
 @pytest.mark.slow
 def test_chat_demo_runs_every_method_on_smollm2(capsys):
     import json

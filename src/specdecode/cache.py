@@ -119,22 +119,30 @@ class KVCache:
         else:
             self.v[:, b_idx, :, dst] = self.v[:, b_idx, :, src].clone()
 
-    def read_block(self, b: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of row b's keys and values at slots start .. start + KEY_CHUNK - 1 (start a
-        multiple of KEY_CHUNK), each [layers, kv_heads, KEY_CHUNK, head_dim]: a prefix-cache block."""
-        end = start + KEY_CHUNK
+    def read_block(self, b: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row b's keys and values at slots start .. start + n - 1, each [layers,
+        kv_heads, n, head_dim] (in the invariant layout the slots must lie in one 64-slot chunk):
+        a prefix-cache block."""
+        end = start + n
         k = self.k[:, b, :, start:end].clone()
-        v = self.v[:, start // KEY_CHUNK, b].clone() if self.invariant else self.v[:, b, :, start:end].clone()
+        if self.invariant:
+            c, off = divmod(start, KEY_CHUNK)
+            if off + n > KEY_CHUNK:
+                raise ValueError("a block of the invariant cache must lie in one chunk")
+            v = self.v[:, c, b, :, off : off + n].clone()
+        else:
+            v = self.v[:, b, :, start:end].clone()
         return k, v
 
     def write_block(self, b: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put a block read by read_block() at row b's slots start .. (lengths are not moved)."""
-        end = start + KEY_CHUNK
-        self.k[:, b, :, start:end] = k
+        n = k.shape[2]
+        self.k[:, b, :, start : start + n] = k
         if self.invariant:
-            self.v[:, start // KEY_CHUNK, b] = v
+            c, off = divmod(start, KEY_CHUNK)
+            self.v[:, c, b, :, off : off + n] = v
         else:
-            self.v[:, b, :, start:end] = v
+            self.v[:, b, :, start : start + n] = v
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (retire the others); one copy, made when rows finish."""

@@ -11,6 +11,7 @@ once per generator (or given), never re-timed during a run.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,7 +259,8 @@ class OnlineCosts:
     (LoadCosts, timed on a synthetic batch) times a correction learned from every round the
     server runs. R(B, w) = table(B, w) · c(bucket(B), w > 0), where c is a running estimate
     (exponentially weighted, weight `rate`) of observed / table seconds for the rounds of that
-    batch-size bucket (powers of two) that drafted (w > 0) or did not (w = 0); `overhead` is the
+    batch-size bucket (powers of two) that drafted (w > 0) or did not (w = 0), starting from 1
+    and moved at most 3x by one round (a warm-up round or a pause does not flip decisions); `overhead` is the
     running mean of the seconds each loop iteration spends outside the round (admission
     prefills), which every round pays whatever it drafts. A cell last updated more than `stale`
     observations ago is replaced by its next observation, so a probe after a slow spell resets
@@ -293,8 +295,12 @@ class OnlineCosts:
         key = (self.bucket(batch), width > 0)
         r = seconds / predicted
         old = self.ratio.get(key)
-        fresh = old is None or self.seen - self.updated.get(key, 0) > self.stale
-        self.ratio[key] = r if fresh else old + self.rate * (r - old)
+        if old is not None and self.seen - self.updated[key] > self.stale:
+            self.ratio[key] = r  # a probe after a long pause: what rounds cost now
+        else:  # a running mean of log ratios, each round moving it by at most a factor 3
+            old = 1.0 if old is None else old
+            r = min(max(r, old / 3), old * 3)
+            self.ratio[key] = math.exp(math.log(old) + self.rate * (math.log(r) - math.log(old)))
         self.updated[key] = self.seen
 
     def at(self, batch: int) -> CostModel:

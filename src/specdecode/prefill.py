@@ -150,4 +150,4 @@ def remember(prefix: PrefixCache, spec, rows: Rows, cache, state, b: int) -> Non
             return drafter.save_prefix(state, b, start)
 
     tokens = rows.tokens[b, :count].tolist()
-    prefix.insert(tokens, count, lambda start: cache.read_block(b, start), save)
+    prefix.insert(tokens, count, lambda start: cache.read_block(b, start, BLOCK), save)

@@ -1,13 +1,13 @@
 """Automatic prefix caching: the target's keys and values of earlier requests, kept in blocks of
-KEY_CHUNK (64) tokens and reused when a new request starts with the same tokens.
+BLOCK (16) tokens and reused when a new request starts with the same tokens.
 
 Blocks are found by hashing, as vLLM's automatic prefix caching does: block i of a token
 sequence is keyed by (key of block i - 1, its 64 tokens), so a key names the whole prefix up to
 the block's end, and a lookup walks the new prompt block by block from the start until a key is
-missing. We chose hashing over SGLang's radix tree because our caches are fixed-size blocks
-already (the batch-invariant cache is stored in 64-token chunks: a block is one chunk, copied
-whole), and a dict of blocks with an LRU order is all the bookkeeping it needs; a radix tree
-pays off for token-granular sharing, which 64-token blocks give up.
+missing. We chose hashing over SGLang's radix tree because a block of our caches is one slice
+copy (the batch-invariant cache stores values in 64-token chunks; a 16-token block is a quarter
+of one), and a dict of blocks with an LRU order is all the bookkeeping it needs; a radix tree
+pays off for token-granular sharing, which 16-token blocks (vLLM's default size) nearly give.
 
 Exact by construction: a block matches only when its tokens and its whole prefix are equal
 (the tokens are compared, not just the hash), and the batch-invariant forward computes a
@@ -31,9 +31,7 @@ from typing import Any
 
 import torch
 
-from .cache import KEY_CHUNK
-
-BLOCK = KEY_CHUNK
+BLOCK = 16  # tokens per block (vLLM's default); divides the invariant cache's 64-slot chunks
 
 
 def _nbytes(obj: Any) -> int:
@@ -109,7 +107,7 @@ class PrefixCache:
         self,
         tokens: Sequence[int],
         count: int,
-        read: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        read: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # start -> (k, v) of BLOCK tokens
         drafter: Callable[[int], Any] | None = None,
     ) -> None:
         """Store the whole blocks among the first `count` tokens: read(start) gives the target's

@@ -45,7 +45,7 @@ def register(sub) -> None:
     b.add_argument(
         "--prompts",
         metavar="SOURCE",
-        help='with --target: spec-bench (default), humaneval (82 HumanEval tasks; pass@1 of the greedy '
+        help="with --target: spec-bench (default), humaneval (82 HumanEval tasks; pass@1 of the greedy "
         'completions is reported beside the speed) or a JSONL file of {"turns"|"prompt"|"text", '
         '"category"}; without: prompts per bundled set, 1..4 (default 4, quick 2)',
     )

@@ -201,4 +201,3 @@ def _generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-

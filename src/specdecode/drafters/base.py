@@ -126,11 +126,12 @@ class Drafter:
     keeps_prefix: ClassVar[bool] = False
 
     def save_prefix(self, state: Any, row: int, start: int) -> Any:
-        """A copy of row `row`'s own state for tokens start .. start + 63 (None if it has none yet)."""
+        """A copy of row `row`'s own state for tokens start .. start + prefix.BLOCK - 1 (None if it
+        has none yet)."""
         return None
 
     def load_prefix(self, state: Any, row: int, start: int, saved: Any) -> None:
-        """Put state saved by save_prefix() back at row `row`, tokens start .. start + 63."""
+        """Put state saved by save_prefix() back at row `row`, at tokens start onwards."""
 
     def propose(
         self, state: Any, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None

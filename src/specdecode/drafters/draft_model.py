@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KEY_CHUNK, KVCache
+from ..cache import KVCache
 from ..errors import SpecDecodeError
 from ..models.base import Cache, CausalLM, ForwardMeta, extend
+from ..prefix import BLOCK
 from ..tree import TokenTree
 from ..verify import Proposal
 from .base import DraftChain, DraftContext, Drafter, TreeDraw, weights_dtype_of
@@ -75,13 +76,13 @@ class DraftModelDrafter(Drafter):
 
     def save_prefix(self, state: DraftModelState, row: int, start: int):
         cache = state.cache
-        if not isinstance(cache, KVCache) or int(cache.lengths[row]) < start + KEY_CHUNK:
+        if not isinstance(cache, KVCache) or int(cache.lengths[row]) < start + BLOCK:
             return None
-        return cache.read_block(row, start)
+        return cache.read_block(row, start, BLOCK)
 
     def load_prefix(self, state: DraftModelState, row: int, start: int, saved) -> None:
         state.cache.write_block(row, start, *saved)
-        state.cache.lengths[row] = start + KEY_CHUNK
+        state.cache.lengths[row] = start + BLOCK
 
     @torch.inference_mode()
     def propose(

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache import KEY_CHUNK
 from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.quant import quantized_linear
+from ..prefix import BLOCK
 from ..verify import Proposal
 from .base import (
     DraftChain,
@@ -113,10 +113,10 @@ class FeatureDrafter(Drafter):
     keeps_prefix = True
 
     def save_prefix(self, state: EagleState, row: int, start: int):
-        return state.feats[row, start : start + KEY_CHUNK].clone()
+        return state.feats[row, start : start + BLOCK].clone()
 
     def load_prefix(self, state: EagleState, row: int, start: int, saved) -> None:
-        state.feats[row, start : start + KEY_CHUNK] = saved
+        state.feats[row, start : start + BLOCK] = saved
 
     def observe(
         self, state: EagleState, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor

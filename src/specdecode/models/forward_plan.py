@@ -110,8 +110,11 @@ def plan_forward(model: LlamaModel, tokens: torch.Tensor, cache, meta: ForwardMe
         cos, sin = model._cos[s:S].view(1, T, 1, D), model._sin[s:S].view(1, T, 1, D)
         # query t sees keys 0..s+t; one causal block over the new tokens (T = 1: no mask).
         # additive (0 / -inf): SDPA would convert a bool mask in every layer. A prefill from an
-        # empty cache (s = 0) is SDPA's causal kernel with GQA (900 tokens: 10.6 vs 16.8 ms a layer)
-        causal = s == 0 and T > 1 and _SDPA_GQA
+        # empty cache (s = 0) is SDPA's causal kernel with GQA (900 tokens: 10.6 vs 16.8 ms a layer),
+        # except in the batch-invariant forward: SDPA's result for a query depends on how many
+        # queries share the call, and a prompt prefilled in chunks, or continued from cached
+        # blocks (prefill.py, prefix.py), must get the keys and values a whole prefill writes
+        causal = s == 0 and T > 1 and _SDPA_GQA and not inv
         if inv and not causal:
             allowed = torch.arange(S, device=dev).view(1, 1, S) <= torch.arange(s, S, device=dev).view(
                 1, T, 1

@@ -31,7 +31,6 @@ from .tokenizer import TextTokenizer
 LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "specdecode_hybrid")
 
 
-
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int

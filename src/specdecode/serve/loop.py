@@ -83,14 +83,24 @@ class EngineLoop:
         metrics: Metrics,
         max_batch: int = 32,
         max_queue: int = 256,
-        max_batched_tokens: int | None = None,
+        max_batched_tokens: int | str | None = None,
     ) -> None:
         """max_batched_tokens: the tokens one iteration may feed the target, the running rows'
-        (1 + k each) and prefill chunks together (at least one 64-token chunk of prefill);
-        None: prefill each admission whole."""
+        (1 + k each) and prefill chunks together (at least 16 tokens of prefill); "auto": prefill
+        chunks sized to cost about 3/4 of a round (from the measured seconds per prefilled token
+        and per round), so a running row's inter-token latency stays under twice its value
+        while a long prompt is admitted; None: prefill each admission whole."""
         self.gen, self.metrics = gen, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
+        if max_batched_tokens not in (None, "auto") and not (
+            isinstance(max_batched_tokens, int) and max_batched_tokens > 0
+        ):
+            raise ValueError(
+                f"max_batched_tokens must be a positive int, 'auto' or None, got {max_batched_tokens!r}"
+            )
         self.max_batched_tokens = max_batched_tokens
+        self.round_s: float | None = None  # running mean of a round's seconds (auto chunks)
+        self.token_s: float | None = None  # running mean of seconds per prefilled token
         self.waiting: collections.deque[Job] = collections.deque()
         self.prefilling: list[tuple[Job, Prefill]] = []  # admitted, prompt not yet cached
         self.running: dict[int, tuple[Job, int]] = {}  # row id -> (request, choice index)
@@ -219,13 +229,13 @@ class EngineLoop:
         chunking is off), else at most the iteration's token budget less the running rows'."""
         if not self.prefilling:
             return
-        budget = None
-        if self.max_batched_tokens is not None and self.running:
-            decode = len(self.running) * (1 + (self.gen.k if self.gen.drafter is not None else 0))
-            budget = max(self.max_batched_tokens - decode, 64)
+        budget = self._chunk_budget() if self.running else None
         for req, prefill in list(self.prefilling):
             try:
+                t0 = time.perf_counter()
                 fed = prefill.step(budget)
+                if fed:
+                    self.token_s = _mean(self.token_s, (time.perf_counter() - t0) / fed)
                 self.metrics.prefill_tokens.inc(fed)
                 if prefill.done:
                     self.prefilling.remove((req, prefill))
@@ -240,6 +250,17 @@ class EngineLoop:
                 if budget <= 0:
                     break
         self._prefix_metrics()
+
+    def _chunk_budget(self) -> int | None:
+        """Prompt tokens this iteration may prefill while rows are decoding."""
+        if self.max_batched_tokens is None:
+            return None
+        if self.max_batched_tokens == "auto":
+            if self.round_s is None or self.token_s is None:
+                return 64
+            return int(min(max(0.75 * self.round_s / self.token_s, 16), 8192))
+        decode = len(self.running) * (1 + (self.gen.k if self.gen.drafter is not None else 0))
+        return max(self.max_batched_tokens - decode, 16)
 
     def _joined(self, req: Job, rows: list[int]) -> None:
         req.rows = rows
@@ -269,6 +290,7 @@ class EngineLoop:
         event = next(run)
         self.rounds += 1
         now = time.perf_counter()
+        self.round_s = _mean(self.round_s, now - t0)
         record = getattr(run.policy, "record", None)
         if record is not None:  # the load-aware policy learns what rounds really cost
             record(now - t0, overhead)
@@ -335,3 +357,8 @@ class EngineLoop:
         self.metrics.running_rows.set(len(self.running))
         self.metrics.running.set(len(self.requests))
         self.metrics.waiting.set(len(self.waiting))
+
+
+def _mean(old: float | None, new: float, rate: float = 0.2) -> float:
+    """A running mean (exponentially weighted); the first value as is."""
+    return new if old is None else old + rate * (new - old)

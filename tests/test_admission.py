@@ -1,0 +1,232 @@
+"""What a server stands on, offline: chunked prefill (a prompt fed in pieces between rounds gives
+the same tokens as one fed whole), automatic prefix caching (blocks reused across requests:
+the same tokens and the same seeded samples, LRU eviction within a byte budget, only whole
+prefixes match) and round costs learned online (drafting stops when rounds get slow, and starts
+again when they do not)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator, load
+from specdecode.errors import SpecDecodeError
+from specdecode.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome
+from specdecode.prefix import BLOCK, PrefixCache
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILY = ROOT / "models" / "three-kingdoms"
+TEXT = "话说天下大势，分久必合，合久必分。周末七国分争，并入于秦。及秦灭之后，楚、汉分争，又并入于汉。" * 4
+
+# every drafter family that keeps state of its own (draft model cache, EAGLE features, Medusa's
+# last hidden state, early exit's shared cache), copy drafters, and target-only
+METHODS = {
+    "none": {},
+    "draft": {"draft": "draft-64"},
+    "eagle": {"heads": "eagle"},
+    "medusa": {"heads": "medusa"},
+    "early-exit": {},
+    "ngram": {},
+    "auto": {"draft": "draft-64"},
+}
+PARAMS = {
+    "greedy": SamplingParams(temperature=0, max_new_tokens=40),
+    "seeded-standard": SamplingParams(temperature=1.0, seed=5, max_new_tokens=40),
+    "seeded-invariant": SamplingParams(temperature=1.0, seed=5, max_new_tokens=40, sampling_rule="invariant"),
+}
+
+
+# every method greedy; the seeded rules with a draft model and with EAGLE (the drafters whose
+# state is rebuilt or reused: the rules' draws must not notice). auto's suffix cache keeps every
+# earlier answer, so its drafts differ between two runs, and the standard rule's seeded samples
+# depend on the drafts (the invariant rule's do not): auto is checked greedy and invariant.
+CASES = (
+    [(m, "greedy") for m in METHODS]
+    + [(m, r) for m in ("draft", "eagle") for r in ("seeded-standard", "seeded-invariant")]
+    + [("auto", "seeded-invariant")]
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: load(FAMILY / name) for name in ("target", "draft-64")}
+
+
+def generator(models, method: str) -> SpeculativeGenerator:
+    opts = dict(METHODS[method])
+    draft = models[opts.pop("draft")] if "draft" in opts else None
+    if "heads" in opts:
+        opts["heads"] = FAMILY / opts["heads"]
+    return SpeculativeGenerator(
+        models["target"],
+        draft,
+        k=3,
+        method=None if method == "none" else method,
+        batch_invariant=True,
+        **opts,
+    )
+
+
+@pytest.mark.parametrize(("method", "rule"), CASES)
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(models, method, rule):
+    """Two prompts (one of 170 tokens) admitted into a running batch and fed 7, 64 or 100
+    tokens at a time, a round of the running row between chunks: each row's tokens are the
+    ones it gets prefilled whole in a batch of its own."""
+    params = PARAMS[rule]
+    prompts = [TEXT + "曹操", TEXT[:40]]
+    whole = generator(models, method).generate(prompts, params)
+    gen = generator(models, method)
+    run = gen.stream([TEXT[:10]], params)
+    admitted = []
+    for budget in (7, 64, 100):
+        prefill = run.begin(prompts, params)
+        steps = 0
+        while not prefill.done:
+            assert prefill.step(budget) <= budget
+            next(run, None)
+            steps += 1
+        assert steps > 1 or budget == 100 and method == "none"
+        admitted.append(run.join(prefill))
+    results = run.results()
+    for ids in admitted:
+        assert [results[i].token_ids for i in ids] == [r.token_ids for r in whole]
+
+
+@pytest.mark.parametrize(("method", "rule"), CASES)
+def test_prefix_cache_reuses_blocks_and_changes_no_token(models, method, rule):
+    """A request that shares a 128-token prefix with an earlier one takes those blocks from the
+    cache (the target's keys and values, and the drafter's own state) and still gives the tokens
+    and seeded samples it gives without the cache; EAGLE's drafts are unchanged too (its
+    features come back from the blocks)."""
+    params = PARAMS[rule]
+    prompts = [TEXT + "曹操", TEXT[:40]]
+    cold = generator(models, method).generate(prompts, params)
+    gen = generator(models, method)
+    cache = gen.enable_prefix_cache(64 << 20)
+    gen.generate([TEXT + "刘备"], params)  # fills the cache
+    assert len(cache) >= 2
+    hit = cache.stats.hit
+    warm = gen.generate(prompts, params)
+    assert cache.stats.hit - hit >= 2 * BLOCK  # the long prompt's first blocks were reused
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    if method in ("eagle", "medusa", "early-exit", "none"):  # drafts depend only on exact states
+        assert [r.stats.accepted for r in warm] == [r.stats.accepted for r in cold]
+
+
+def test_finished_answers_are_cached_for_the_next_turn(models):
+    """A chat's next turn starts with the previous prompt and answer: blocks of the answer (written
+    during verification rounds) are reused, and the next turn's tokens do not change."""
+    gen = generator(models, "eagle")
+    cache = gen.enable_prefix_cache(64 << 20)
+    params = SamplingParams(temperature=0, max_new_tokens=120, ignore_eos=True)
+    first = gen.generate([TEXT], params)[0]
+    turn2 = gen.encode(TEXT) + first.token_ids + gen.encode("曹操曰")
+    before = cache.stats.hit
+    warm = gen.generate([turn2], params)[0]
+    assert cache.stats.hit - before >= len(gen.encode(TEXT)) + 64 - BLOCK  # past the first prompt
+    assert warm.token_ids == generator(models, "eagle").generate([turn2], params)[0].token_ids
+
+
+def block(value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((1, 1, BLOCK, 2), value), torch.full((1, 1, BLOCK, 2), value)
+
+
+def test_prefix_cache_evicts_the_least_recently_used_blocks_within_its_budget():
+    one = sum(t.numel() * t.element_size() for t in block(0))
+    cache = PrefixCache(3 * one)
+    a, b = list(range(2 * BLOCK)), list(range(1000, 1000 + 2 * BLOCK))
+    cache.insert(a, len(a), lambda s: block(s))
+    assert len(cache.match(a, len(a))) == 2
+    cache.insert(b, len(b), lambda s: block(-s))  # 4 blocks > 3: a's LRU first block goes
+    assert cache.bytes <= cache.budget and len(cache) == 3 and cache.stats.evicted == 1
+    assert cache.match(a, len(a)) == []  # its first block is gone, so nothing of a matches
+    got = cache.match(b, len(b))
+    assert [float(x.k[0, 0, 0, 0]) for x in got] == [0.0, -float(BLOCK)]
+    cache.match(b, BLOCK)  # LRU order now: a's orphaned second block, b's second, b's first
+    cache.insert(a, BLOCK, lambda s: block(7))  # a's first block again: the orphan goes
+    assert len(cache.match(b, len(b))) == 2 and len(cache.match(a, len(a))) == 1
+    cache.match(b, BLOCK)  # LRU order: b's second, a's first, b's first
+    cache.insert(list(range(5000, 5000 + BLOCK)), BLOCK, lambda s: block(1))
+    assert len(cache.match(b, len(b))) == 1 and len(cache.match(a, len(a))) == 1
+
+
+def test_prefix_cache_matches_only_whole_prefixes_and_whole_blocks():
+    cache = PrefixCache(1 << 20)
+    a = list(range(2 * BLOCK))
+    cache.insert(a, len(a), lambda s: block(s))
+    other = [9] * BLOCK + a[BLOCK:]  # the same second block after another first block
+    assert cache.match(other, len(other)) == []
+    assert len(cache.match(a, 2 * BLOCK - 1)) == 1  # the second block does not fit the limit
+    assert len(cache.match(a + [5], len(a) + 1)) == 2
+    assert cache.match(a[: BLOCK - 1] + [77] + a[BLOCK:], 2 * BLOCK) == []  # one token differs
+
+
+def test_prefix_cache_needs_the_batch_invariant_forward(models):
+    gen = SpeculativeGenerator(models["target"], models["draft-64"], k=3)
+    with pytest.raises(SpecDecodeError, match="prefix caching needs the batch-invariant forward"):
+        gen.enable_prefix_cache(1 << 20)
+
+
+# -- round costs learned online --------------------------------------------------------------------
+
+TABLE = LoadCosts({1: {0: 1.0, 1: 1.1, 4: 1.3}, 8: {0: 1.0, 1: 1.1, 4: 1.3}})
+
+
+def learning_policy(rows: int = 4) -> LoadAwarePolicy:
+    policy = LoadAwarePolicy(
+        FixedPolicy(4), OnlineCosts(TABLE), lambda: [SamplingParams(temperature=0)] * rows
+    )
+    policy.add_rows(rows)
+    policy.observe(RoundOutcome([4] * rows, [4] * rows, [3] * rows))  # ~75% accepted
+    for _ in range(4):
+        policy.observe(RoundOutcome([4] * rows, [4] * rows, [3] * rows))
+    return policy
+
+
+def run_rounds(policy: LoadAwarePolicy, n: int, draft_cost: float) -> list[int]:
+    """n rounds where a round that drafts costs draft_cost x the table (one that drafts nothing
+    costs what the table says); the caps the policy chose."""
+    caps = []
+    for _ in range(n):
+        ks = policy.next_k()
+        width = policy.width
+        table = TABLE.at(len(ks)).round_cost(width)
+        policy.record(table * (draft_cost if width > 0 else 1.0))
+        caps.append(policy.cap)
+    return caps
+
+
+def test_online_costs_stop_drafting_when_rounds_get_slow_and_start_again_when_they_do_not():
+    policy = learning_policy()
+    assert run_rounds(policy, 5, 1.0)[-1] == 4  # drafting pays at the measured costs
+    slow = run_rounds(policy, 40, 3.0)  # the same rounds now cost 3x: drafting loses
+    assert slow[-1] == 0 and slow.count(0) >= 30
+    assert 1 in slow[5:]  # it keeps probing with one draft token
+    fast = run_rounds(policy, 80, 1.0)  # back to normal: a probe sees it, drafting resumes
+    assert fast[-1] == 4 and fast.index(4) < 70
+
+
+def test_table_costs_alone_never_learn():
+    """Without OnlineCosts (offline runs, --no-online-costs) the table decides, whatever rounds cost."""
+    policy = LoadAwarePolicy(FixedPolicy(4), TABLE, lambda: [SamplingParams(temperature=0)] * 4)
+    policy.add_rows(4)
+    for _ in range(5):
+        policy.observe(RoundOutcome([4] * 4, [4] * 4, [3] * 4))
+    caps = []
+    for _ in range(20):
+        policy.next_k()
+        policy.record(100.0)
+        caps.append(policy.cap)
+    assert caps == [4] * 20
+
+
+def test_online_costs_add_the_time_spent_prefilling_to_every_round():
+    costs = OnlineCosts(TABLE)
+    for _ in range(50):
+        costs.record(4, 4, 1.3, overhead=0.5)
+    model = costs.at(4)
+    assert model.round_cost(0) == pytest.approx(1.5, rel=1e-3)
+    assert model.round_cost(4) == pytest.approx(1.8, rel=1e-3)
+    assert model.round_cost(2) == pytest.approx(TABLE.at(4).round_cost(2) + 0.5, rel=1e-3)
