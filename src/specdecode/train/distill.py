@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..drafters.base import Drafter
 from ..errors import SpecDecodeError
 
 KIND = "specdecode-distill"
@@ -123,16 +124,13 @@ def _parse_temperatures(text: str | float) -> list[float]:
     return temps
 
 
-class _Recorder:
+class _Recorder(Drafter):
     """A drafter that drafts nothing and keeps what the engine shows it: the target's features
     (`aux_layers`) of every committed token, computed by the decoding forwards themselves, so
     recording costs no extra forward. A finished row's features are set aside when it retires."""
 
     name = "record"
     requires_hidden = True
-    supports_tree = False
-    model = None
-    advice = None
 
     def __init__(self, aux_layers: tuple[int, ...]) -> None:
         self.aux_layers = aux_layers
