@@ -250,7 +250,7 @@ def load_scenario(args, sets: dict[str, list[str]]) -> dict:
         try:
             load_run(server.port, sets["mix"], 2, 4, 16, len(sets["mix"]) - 8)  # warm-up
             for s, c in runs:
-                n = args.requests or max(2 * c, 8)
+                n = args.requests or max(c, 4)
                 reps = []
                 for rep in range(args.reps):
                     # each rep its own prompts, the same ones for every method
@@ -634,7 +634,7 @@ def main() -> int:
     ap.add_argument("--scenarios", default="load,multiturn,chunked")
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--c1-sets", default="chat,code", help="prompt sets measured separately at c = 1")
-    ap.add_argument("--requests", type=int, default=0, help="requests per run (default max(2c, 8))")
+    ap.add_argument("--requests", type=int, default=0, help="requests per run (default max(c, 4))")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=32)

@@ -27,9 +27,11 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     supports_tree = True
 
-    def __init__(self, draft: CausalLM, target: CausalLM, draft_vocab=None) -> None:
+    def __init__(self, draft: CausalLM, target: CausalLM, draft_vocab=None, chains: bool = True) -> None:
         """draft_vocab: the draft's head over only its N most frequent tokens (an int N, or a JSON
-        file of token ids in frequency order; models/draft_vocab.py), FR-Spec; None: all."""
+        file of token ids in frequency order; models/draft_vocab.py), FR-Spec; None: all.
+        chains: it drafts chains only (no token tree), so its cache may be batch-invariant."""
+        self.chains = chains
         if draft.vocab_size != target.vocab_size:
             raise SpecDecodeError(
                 f"vocabulary mismatch: target has {target.vocab_size} tokens, draft has "
@@ -61,11 +63,17 @@ class DraftModelDrafter(Drafter):
     def create(cls, target, draft, config) -> DraftModelDrafter:
         if draft is None:
             raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
-        return cls(draft, target, config.draft_vocab)
+        return cls(draft, target, config.draft_vocab, chains=config.tree is None)
 
     keeps_prefix = True
 
     def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
+        """The draft's own cache; batch-invariant when the target's is and the draft drafts chains
+        (so a draft, and with it a seeded sample under the standard rule, does not depend on the
+        batch either; a tree's level-by-level draft forwards need the plain cache)."""
+        invariant = getattr(target_cache, "invariant", False) and self.chains
+        if invariant and self.model.lean and self.model.supports_invariant:
+            return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity, invariant=True))
         return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
 
     def prefill(self, state: DraftModelState, ctx: DraftContext, lengths: torch.Tensor) -> None:
