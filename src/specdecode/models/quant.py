@@ -132,9 +132,11 @@ class QuantLinear(Linear):
         self._row_multiple = None
         self.nbytes = weight.nbytes + (0 if bias is None else 2 * bias.numel())
         self.pad_in = weight.q.shape[1] - self.in_features
-        if weight.bits == 8:
-            self.weight = weight.q.contiguous()
+        if weight.bits == 8:  # zero columns up to the input width the kernel is checked at
+            self.pad_in = -self.in_features % INT8_K_MULTIPLE
+            self.weight = F.pad(weight.q, (0, self.pad_in)).contiguous()
             self.scales = weight.scales.to(ACT_DTYPE)
+            self.trusted = int8_kernel_ok()
         else:  # the packing takes whole tiles of 16 outputs: pad with zero rows, slice them off
             # and the same 4-bit values two to a byte (as many bytes again), from which a prefill
             # dequantizes the weight: the int4 kernel's cost grows with the rows (1 -> 150 rows:
@@ -159,7 +161,7 @@ class QuantLinear(Linear):
 
     def float_weight(self) -> torch.Tensor:
         if self.bits == 8:
-            return self.weight.float() * self.scales.float().view(-1, 1)
+            return self.weight[:, : self.in_features].float() * self.scales.float().view(-1, 1)
         n, g = self.out_features, self.group
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).view(n, -1).float()
         s, z = self.group_scales.float().view(n, -1, 1), self.group_zeros.float().view(n, -1, 1)
@@ -169,7 +171,12 @@ class QuantLinear(Linear):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(ACT_DTYPE).contiguous()
         if self.bits == 8:
-            out = torch._weight_int8pack_mm(x, self.weight, self.scales)
+            if self.pad_in:
+                x = F.pad(x, (0, self.pad_in))
+            if self.trusted:
+                out = torch._weight_int8pack_mm(x, self.weight, self.scales)
+            else:  # this build's kernel failed its check: the same product through bf16 F.linear
+                out = F.linear(x, self.weight.to(ACT_DTYPE)) * self.scales
         else:
             if self.pad_in:
                 x = F.pad(x, (0, self.pad_in))
@@ -177,6 +184,44 @@ class QuantLinear(Linear):
             if out.shape[1] != self.out_features:
                 out = out[:, : self.out_features].contiguous()
         return out if self.bias is None else out.add_(self.bias)
+
+
+# torch 2.13's `_weight_int8pack_mm` on AVX-512 CPUs returns garbage (or crashes) when the input
+# width is not a multiple of 16 (K = 100, 200, 232, 264, 392 measured; 192, 208, 240, 256 right),
+# while AVX2 CPUs take another path that is right at every width: int8 weights are padded with zero
+# columns to a multiple of 16 everywhere (every projection of the real pair already is one)
+INT8_K_MULTIPLE = 16
+
+
+@functools.cache
+def int8_kernel_ok() -> bool:
+    """Whether `_weight_int8pack_mm` computes its product on this machine: checked once per process
+    on random int8 weights at padded widths (16 .. 208 inputs, 1 to 9 rows, 3 and 40 outputs) against
+    the same product in float64. A build or CPU where it is wrong runs the int8 projections through
+    bf16 F.linear instead (right, slower) and says so once on stderr."""
+    import sys
+
+    g = torch.Generator().manual_seed(0)
+    for k in (16, 48, 208):
+        for n in (3, 40):
+            w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            s = (torch.rand(n, generator=g) / 100 + 1e-3).to(ACT_DTYPE)
+            for rows in (1, 2, 5, 9):
+                x = torch.randn(rows, k, generator=g).to(ACT_DTYPE)
+                want = x.double() @ (w.double() * s.double()[:, None]).t()
+                try:
+                    got = torch._weight_int8pack_mm(x, w, s).double()
+                except RuntimeError:
+                    got = None
+                scale = want.abs().max().clamp_min(1e-6)
+                if got is None or not bool(((got - want).abs().max() / scale) < 2e-2):
+                    print(
+                        f"specdecode: torch's int8 weight kernel failed its check ({rows} x {k} by {n}); "
+                        "int8 projections run through bf16 F.linear (slower)",
+                        file=sys.stderr,
+                    )
+                    return False
+    return True
 
 
 @functools.cache
