@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecDecodeError
+from .formats import DRAFT_FORMATS
 from .tree import TREE_SAMPLING, TokenTree
 
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
-# a drafter's own weights: float as loaded, or weight-only quantized at build (models/quant.py)
-DRAFT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "int4-g128", "w8a8")
+# a drafter's own weights: float as loaded, or quantized at build (models/quant.py; formats.py)
+DRAFT_DTYPES = DRAFT_FORMATS
 
 
 def adaptive_max_k(k: int, max_k: int | None) -> int:

@@ -14,44 +14,29 @@ from typing import Any
 
 from .config import DRAFT_DTYPES, POLICIES, SpecConfig
 from .errors import SpecDecodeError
+
+# the weight formats live in one table (formats.py); re-exported here for the flags
+from .formats import (  # noqa: F401
+    DTYPES,
+    GGUF_FORMATS,
+    QUANT_FORMATS,
+    WEIGHT_FORMATS,
+    torch_dtype,
+    weight_format,
+)
 from .tree import TREE_SAMPLING
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
-# a model's weights: a float dtype, weight-only quantized at load (int8 per output row, int4 in
-# groups of 32 or 128; activations bf16), or a GGUF's own quantization kept (q4_k, q8_0)
-QUANTIZED = ("int8", "int4", "int4-g128", "w8a8")
-GGUF_FORMATS = ("q4_k", "q8_0")
-WEIGHT_FORMATS = (*DTYPES, *QUANTIZED, *GGUF_FORMATS)
-
-
-def torch_dtype(name: str):
-    """The torch dtype of a short name (fp32, bf16, fp16)."""
-    import torch
-
-    if name not in DTYPES:
-        raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return getattr(torch, DTYPES[name])
+QUANTIZED = QUANT_FORMATS
 
 
 DTYPE_HELP = (
-    "the target's weights: fp32 (default), bf16, fp16; int8 / int4 / int4-g128 quantized at load "
+    "the target's weights: auto (the default for known models such as qwen2.5-coder-1.5b: each "
+    "format's step and verification measured on this machine once, the fastest chosen and cached; "
+    "fp32 for other models), fp32, bf16, fp16; int8 / int4 / int4-g128 quantized at load "
     "(weight-only: int8 per output row, 4-bit in groups of 32 / 128; bf16 activations); w8a8 (int8 "
     "weights x int8 activations per token, FBGEMM: verification costs about a step); q4_k / q8_0 "
     "keep an installed GGUF's own quantized blocks. Exactness holds relative to the target as it runs"
 )
-
-
-def weight_format(name: str):
-    """(torch dtype of the activations, quantization or None) of a --dtype value."""
-    import torch
-
-    if name in DTYPES:
-        return getattr(torch, DTYPES[name]), None
-    if name == "w8a8":  # its GEMM takes float32 rows (quantized per row inside)
-        return torch.float32, name
-    if name in (*QUANTIZED, *GGUF_FORMATS):
-        return torch.bfloat16, name  # the weight-only kernels' fast activation type (models/quant.py)
-    raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -130,8 +115,9 @@ OPTIONS: tuple[Option, ...] = (
         "fp16, weight-only quantized int8 / int4 / int4-g128 (4-bit in groups of 32 / 128), or w8a8 (int8 "
         "weights and activations). Never "
         "changes the output (the target verifies every token), only the draft's cost and acceptance "
-        "(default: as loaded, the target's dtype)",
-        choices=DRAFT_DTYPES,
+        "(default: auto, the cheapest step measured on this machine, for a draft model of a known "
+        "target; else as loaded, the target's format)",
+        choices=("auto", *DRAFT_DTYPES),
     ),
     Option(
         "draft_vocab",
@@ -152,6 +138,31 @@ SAMPLING_RULE_HELP = (
     "same noise: a seed fixes the text whatever the drafter, k, tree or batch, at some acceptance; "
     "docs/sampling-rules.md)"
 )
+
+
+def add_format_flags(parser, invariant_help: str | None = None) -> None:
+    """--dtype, --backend, --device and --batch-invariant / --no-batch-invariant: how the models run
+    (generate, bench, serve); the library's rules behind them are opener.open_models'."""
+    parser.add_argument(
+        "--dtype", default=None, choices=("auto", *WEIGHT_FORMATS), metavar="FORMAT", help=DTYPE_HELP
+    )
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "lean", "hf"),
+        help="model runtime: our lean runtime (Llama, Qwen2, Qwen3), transformers, or auto (default)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=invariant_help
+        or "a token's logits do not depend on how many drafts or rows share the target's forward, so "
+        "greedy speculative output equals target-only token for token in every format (default: on for "
+        "our lean runtime on CPU; its price is measured in the format choice, docs/batch-invariance.md); "
+        "--no-batch-invariant opts out",
+    )
 
 
 def add_sampling_rule_flag(parser, default: str = "standard", extra: str = "") -> None:
@@ -182,6 +193,8 @@ def spec_config(args: argparse.Namespace, **overrides: Any) -> SpecConfig:
     """The SpecConfig of parsed flags (options a command did not declare keep their defaults),
     validated now, before any model loads: a bad value is SpecConfig's one-line error."""
     values = {o.field: getattr(args, o.field) for o in OPTIONS if getattr(args, o.field, None) is not None}
+    if values.get("draft_dtype") == "auto":  # a choice opener.open_models makes, not a SpecConfig value
+        del values["draft_dtype"]
     values.update(overrides)
     try:
         return SpecConfig(**values)

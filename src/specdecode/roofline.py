@@ -9,18 +9,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import SpecDecodeError
+from .formats import FORMATS
 
-# bytes per weight; the quantized formats of models/quant.py carry their bf16 scales (and zeros)
-DTYPE_BYTES = {
-    "fp32": 4,
-    "bf16": 2,
-    "fp16": 2,
-    "fp8": 1,
-    "int8": 1,
-    "w8a8": 1,
-    "int4": 0.5 + 4 / 32,  # group 32: a bf16 scale and zero per 32 weights
-    "int4-g128": 0.5 + 4 / 128,
-}
+# bytes per weight (formats.py's table, scales included) and fp8 for GPU plans
+DTYPE_BYTES = {**{n: f.bytes_per_weight for n, f in FORMATS.items()}, "fp8": 1}
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,13 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 from ..options import (
-    DTYPE_HELP,
     DTYPES,
-    WEIGHT_FORMATS,
+    add_format_flags,
     add_sampling_rule_flag,
     add_spec_flags,
     heads_dir,
     method_heads,
     spec_config,
-    weight_format,
 )
 
 __all__ = ["DTYPES", "heads_dir", "method_heads", "register"]  # the last three moved to ..options
@@ -64,25 +62,12 @@ def register(sub) -> None:
         help="optimal policy: read the costs from FILE if it exists, else measure them on this run and "
         "write FILE (so the next run with the same --seed picks the same k)",
     )
-    g.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    g.add_argument("--dtype", default="fp32", choices=WEIGHT_FORMATS, help=DTYPE_HELP)
-    g.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="a token's logits do not depend on how many drafts or rows share the target's forward: "
-        "greedy speculative output equals target-only token for token in bf16 too (lean runtime, CPU; "
-        "costs about 14%% of tokens/s in bf16 here, see docs/batch-invariance.md)",
-    )
-    g.add_argument(
-        "--backend",
-        default="auto",
-        choices=("auto", "lean", "hf"),
-        help="model runtime: our lean Llama runtime, transformers, or auto (default)",
-    )
+    add_format_flags(g)
     g.set_defaults(func=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ..opener import check_draft_dtype
     from ..sampling import SamplingParams
 
     # validate everything cheap before loading any model
@@ -90,10 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--prompt is empty; give at least one character")
     if args.num_return_sequences < 1:
         raise SpecDecodeError(f"--num-return-sequences must be >= 1, got {args.num_return_sequences}")
-    if args.draft_dtype and not args.draft and args.method not in ("eagle", "eagle3", "medusa", "auto"):
-        raise SpecDecodeError(
-            "--draft-dtype needs --draft MODEL (or a method with trained heads: eagle, eagle3, medusa)"
-        )
+    check_draft_dtype(args.draft_dtype, args.draft, args.method)
     config = spec_config(args, method=args.method or ("draft" if args.draft else None))
     if args.cost_model and args.policy != "optimal":
         raise SpecDecodeError("--cost-model is read by --policy optimal only")
@@ -109,7 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
         sampling_rule=args.sampling_rule,
     )
     from ..engine import SpeculativeGenerator
-    from ..models import load, resolve, resolve_device
+    from ..opener import open_models, spec_fields
     from ..policy import CostModel
     from ..stats import GenerationStats
 
@@ -120,20 +102,21 @@ def _generate(args: argparse.Namespace) -> int:
     from ..drafters.early_exit import UntrainedExitWarning
 
     warnings.simplefilter("ignore", UntrainedExitWarning)  # printed below, with the measured acceptance
-    device, (dtype, quant) = resolve_device(args.device), weight_format(args.dtype)
-    draft_dtype, draft_quant = weight_format(args.draft_dtype) if args.draft_dtype else (dtype, None)
-    resolve(args.target, dtype)
-    if args.draft:
-        resolve(args.draft, draft_dtype)
     cost_model = None
     if args.cost_model and Path(args.cost_model).exists():
         cost_model = CostModel.load(args.cost_model)
-    target = load(args.target, backend=args.backend, dtype=dtype, device=device, quant=quant)
-    draft = None
-    if args.draft:
-        draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device, quant=draft_quant)
-    heads = method_heads(args.target, args.method, args.heads, draft=args.draft)
-    config = replace(config, heads=heads, cost_model=cost_model, batch_invariant=args.batch_invariant or None)
+    loaded = open_models(
+        args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        backend=args.backend,
+        device=args.device,
+        batch_invariant=args.batch_invariant,
+        **spec_fields(config),
+    )
+    target, draft = loaded.target, loaded.draft
+    config = replace(loaded.config, cost_model=cost_model)
     gen = SpeculativeGenerator(target, draft=draft, config=config)
     n = args.num_return_sequences
     trace = None
@@ -183,7 +166,7 @@ def _generate(args: argparse.Namespace) -> int:
         out = {"text": results[0].text, "token_ids": results[0].token_ids}
         if n > 1:
             out["samples"] = [{"text": r.text, "token_ids": r.token_ids} for r in results]
-        out["stats"] = stats.to_dict()
+        out["stats"] = stats.to_dict() | {"formats": loaded.choice.summary()}
         print(json.dumps(out, ensure_ascii=False))
         return 0
     if stream_text:

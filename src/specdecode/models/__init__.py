@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecDecodeError
+from ..formats import GGUF_FORMATS
 from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
 from .llama import LlamaConfig, LlamaModel, return_freed_memory
@@ -17,7 +18,7 @@ from .quant import QUANT_KINDS
 from .tokenizer import TextTokenizer
 from .zoo import ZOO, ChunkedZooModel, ZooModel, cache_dir
 
-GGUF_QUANTS = ("q4_k", "q8_0")
+GGUF_QUANTS = GGUF_FORMATS
 
 BUNDLED = (
     "three-kingdoms/target",

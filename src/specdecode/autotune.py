@@ -1,0 +1,370 @@
+"""dtype="auto": each model on the weight format that runs fastest on this machine, measured.
+
+The fastest format is not what a rule of thumb says: on an AVX-512 BF16 CPU a bf16 verification of
+8 tokens costs about one bf16 step while a w8a8 step is 2.3x cheaper; on an AVX2 CPU bf16 has no
+native kernel at all (benchmarks/NOTES.md). So at first use on a machine the projections of the
+model's own shapes are timed in every candidate format: each layer's q|k|v, o, gate|up and down
+and the LM head, at 1 row (a step, a draft token) and k + 1 rows (a verification), through the
+same Linear classes and the same batch-invariant padding the model will run. The projections are
+where a decoder's time goes (they read every weight); attention, norms and sampling cost the same
+in every format and are left out, so the figures rank formats rather than predict a forward.
+Enough copies of a layer are timed that they do not fit in the CPU's caches.
+
+The choice (target: the cheapest verification round, k draft steps of the cheapest draft format
+included; target-only: the cheapest step) is cached as JSON under $SPECDECODE_CACHE/calibration,
+keyed by the model's shapes, the CPU, torch's version and thread count, k and invariance;
+`specdecode models --calibrate` measures again. A format that fails here (no kernel, a kernel
+whose row-invariance probe fails) is left out and said so in the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import SpecDecodeError
+from .formats import FORMATS
+
+# candidates a measurement weighs (q4_k and q8_0 run the int4 / int8 kernels of the GGUF's own
+# blocks: pin them with --dtype; fp16 has no fast CPU kernel)
+TARGET_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4")
+DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4")
+CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
+HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
+ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
+VERSION = 1  # bump when the measurement changes: cached choices of another version are redone
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What a format's cost depends on: the projections of one layer, the layer count, the head."""
+
+    hidden: int
+    qkv_out: int
+    attn_in: int
+    inter: int
+    layers: int
+    vocab: int
+
+    @staticmethod
+    def of(config) -> Shapes:
+        c = config
+        return Shapes(
+            c.hidden_size,
+            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+            c.num_heads * c.head_dim,
+            c.intermediate_size,
+            c.num_layers,
+            c.vocab_size,
+        )
+
+    def layer_matrices(self) -> list[tuple[int, int]]:
+        """(out, in) of q|k|v, o, gate|up, down."""
+        return [
+            (self.qkv_out, self.hidden),
+            (self.hidden, self.attn_in),
+            (2 * self.inter, self.hidden),
+            (self.hidden, self.inter),
+        ]
+
+    @property
+    def layer_params(self) -> int:
+        return sum(o * i for o, i in self.layer_matrices())
+
+
+@dataclass
+class FormatCosts:
+    """Seconds of a forward's projections in one format: t1 for one new token, tk for k + 1."""
+
+    format: str
+    t1: float | None = None
+    tk: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Choice:
+    """The formats a generator runs with and why."""
+
+    target: str
+    draft: str | None
+    k: int
+    invariant: bool
+    how: str  # measured | cached | pinned | default
+    target_costs: list[FormatCosts] = field(default_factory=list)
+    draft_costs: list[FormatCosts] = field(default_factory=list)
+    cache: str | None = None
+    seconds: float = 0.0
+
+    def cost(self, costs: list[FormatCosts], fmt: str | None) -> FormatCosts | None:
+        return next((c for c in costs if c.format == fmt and c.error is None), None)
+
+    def predicted(self) -> dict:
+        """Projection-only milliseconds of the chosen formats and the round they predict."""
+        t, d = self.cost(self.target_costs, self.target), self.cost(self.draft_costs, self.draft)
+        out = {}
+        if t is not None:
+            out |= {"target_t1_ms": round(t.t1 * 1e3, 2), "target_tk_ms": round(t.tk * 1e3, 2)}
+        if d is not None:
+            out |= {"draft_t1_ms": round(d.t1 * 1e3, 2)}
+            if t is not None:
+                out["draft_cost_ratio"] = round(d.t1 / t.t1, 3)
+        return out
+
+    def line(self) -> str:
+        """One line for stderr: what was chosen, measured or cached, and how to redo it."""
+        p = self.predicted()
+        what = f"target {self.target}"
+        if "target_t1_ms" in p:
+            what += (
+                f" (projections T(1) {p['target_t1_ms']:.0f} ms, T({self.k + 1}) {p['target_tk_ms']:.0f} ms)"
+            )
+        if self.draft is not None:
+            what += f", draft {self.draft}"
+            if "draft_t1_ms" in p:
+                what += f" ({p['draft_t1_ms']:.1f} ms a step, c {p['draft_cost_ratio']:.2f})"
+        inv = "batch-invariant forward" if self.invariant else "plain forward (not batch-invariant)"
+        how = {
+            "measured": f"measured here in {self.seconds:.0f} s",
+            "cached": "measured earlier on this machine (`specdecode models --calibrate` measures again)",
+            "pinned": "as asked",
+            "default": "default for this model and device",
+        }[self.how]
+        return f"specdecode: formats: {what}; {inv}; {how}"
+
+    def summary(self) -> dict:
+        """The choice in a few fields (--json stats, the server's start-up)."""
+        return {
+            "target": self.target,
+            "draft": self.draft,
+            "batch_invariant": self.invariant,
+            "how": self.how,
+            **self.predicted(),
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["predicted"] = self.predicted()
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> Choice:
+        d = dict(d)
+        d.pop("predicted", None)
+        d["target_costs"] = [FormatCosts(**c) for c in d.get("target_costs", [])]
+        d["draft_costs"] = [FormatCosts(**c) for c in d.get("draft_costs", [])]
+        return Choice(**d)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its vector extensions that change which kernels run."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    keep = sorted(f for f in set(flags) if f.startswith(("avx512", "avx2", "amx", "avx_vnni", "fma")))
+    return f"{model} [{' '.join(keep)}]"
+
+
+def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen):
+    """Random projections of these (out, in) shapes in `fmt`, built the way load() builds them."""
+    import torch
+
+    from .models.linear import Linear
+    from .models.quant import QUANT_KINDS, DynamicInt8Linear, QuantLinear, QWeight
+
+    spec = FORMATS[fmt]
+    made = []
+    for out, inp in out_in:
+        if spec.quant is None:
+            w = torch.randn(out, inp, generator=gen).mul_(0.02).to(getattr(torch, spec.activations))
+            made.append(Linear(w))
+            continue
+        bits, group = QUANT_KINDS[spec.quant]
+        scales = (torch.rand(out, generator=gen) * 1e-3 + 1e-4).to(torch.bfloat16).float()
+        if bits == 8:
+            q = torch.randint(-127, 128, (out, inp), generator=gen, dtype=torch.int8)
+            qw = QWeight(8, q, scales)
+            made.append(DynamicInt8Linear(qw) if spec.quant == "w8a8" else QuantLinear(qw))
+        else:
+            padded = -(-inp // group) * group
+            q = torch.randint(0, 16, (out, padded), generator=gen, dtype=torch.uint8)
+            s = (torch.rand(out, padded // group, generator=gen) * 1e-3 + 1e-4).to(torch.bfloat16).float()
+            made.append(QuantLinear(QWeight(4, q, s, torch.zeros_like(s), group, inp)))
+    return made
+
+
+def _time_rows(linears: list, rows: int, dtype, invariant: bool, repeats: int) -> float:
+    """Median seconds of one pass of `rows` rows through every linear."""
+    import torch
+
+    xs = {lin.in_features: torch.randn(rows, lin.in_features).to(dtype) for lin in linears}
+    with torch.inference_mode():
+        for lin in linears:  # warm: packing caches, the invariance probe
+            lin(xs[lin.in_features], invariant=invariant)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for lin in linears:
+                lin(xs[lin.in_features], invariant=invariant)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(
+    shapes: Shapes, fmt: str, k: int, invariant: bool, repeats: int = 5, with_tk: bool = True
+) -> FormatCosts:
+    """The projections' seconds of one forward in `fmt` at 1 and k + 1 rows (see the module doc)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, FORMATS[fmt].activations)
+    try:
+        layer_bytes = shapes.layer_params * FORMATS[fmt].bytes_per_weight
+        copies = int(min(shapes.layers, max(1, -(-CACHED_BYTES // layer_bytes))))
+        layers = _layer_linears(shapes, fmt, shapes.layer_matrices() * copies, gen)
+        head_rows = max(16, shapes.vocab // HEAD_SLICE)
+        head = _layer_linears(shapes, fmt, [(head_rows, shapes.hidden)], gen)
+        scale_layers, scale_head = shapes.layers / copies, shapes.vocab / head_rows
+        out = FormatCosts(fmt)
+        for rows in (1, k + 1) if with_tk else (1,):
+            t = _time_rows(layers, rows, dtype, invariant, repeats) * scale_layers
+            t += _time_rows(head, rows, dtype, invariant, repeats) * scale_head
+            if rows == 1:
+                out.t1 = t
+            else:
+                out.tk = t
+        return out
+    except (RuntimeError, NotImplementedError, SpecDecodeError) as e:
+        return FormatCosts(fmt, error=str(e).splitlines()[0][:160])
+
+
+def _key(target: Shapes, draft: Shapes | None, k: int, invariant: bool, formats: tuple) -> str:
+    import torch
+
+    blob = json.dumps(
+        [
+            VERSION,
+            asdict(target),
+            asdict(draft) if draft else None,
+            k,
+            invariant,
+            formats,
+            cpu_name(),
+            torch.__version__,
+            torch.get_num_threads(),
+        ],
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def calibration_dir() -> Path:
+    from .models.zoo import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round emits at per-token acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def choose(
+    target: Shapes,
+    draft: Shapes | None,
+    *,
+    k: int,
+    invariant: bool,
+    speculative: bool,
+    name: str = "model",
+    target_formats: tuple[str, ...] = TARGET_CANDIDATES,
+    draft_formats: tuple[str, ...] = DRAFT_CANDIDATES,
+    recalibrate: bool = False,
+    progress=None,
+) -> Choice:
+    """Measure (or read the cached measurement of) every candidate format and pick the target's
+    and the draft's. speculative: rank targets by a verification round (T(k+1) plus k steps of the
+    cheapest draft, over the tokens a round yields at ALPHA), else by a step T(1). The draft's
+    format is the cheapest step (its precision never changes the output, only a little of its
+    acceptance)."""
+    key = _key(target, draft, k, invariant, (target_formats, draft_formats))
+    path = calibration_dir() / f"{name.replace('/', '_')}-{key}.json"
+    if not recalibrate and path.exists():
+        try:
+            choice = Choice.from_dict(json.loads(path.read_text()))
+            choice.how, choice.cache = "cached", str(path)
+            return _pick(choice, speculative)
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable: measure again
+    t0 = time.perf_counter()
+    jobs = [("target", f) for f in target_formats] + [("draft", f) for f in (draft_formats if draft else ())]
+    target_costs, draft_costs = [], []
+    for i, (who, fmt) in enumerate(jobs):
+        if progress is not None:
+            progress(i, len(jobs), f"{who} {fmt}")
+        if who == "target":
+            target_costs.append(measure(target, fmt, k, invariant))
+        else:
+            draft_costs.append(measure(draft, fmt, k, invariant, with_tk=False))
+    if progress is not None:
+        progress(len(jobs), len(jobs), "done")
+    choice = Choice(
+        "", None, k, invariant, "measured", target_costs, draft_costs, str(path), time.perf_counter() - t0
+    )
+    choice = _pick(choice, speculative)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(choice.to_dict(), indent=1))
+    except OSError as e:
+        print(f"specdecode: cannot cache the format choice in {path}: {e.strerror}", file=sys.stderr)
+        choice.cache = None
+    return choice
+
+
+def _pick(choice: Choice, speculative: bool) -> Choice:
+    ok_t = [c for c in choice.target_costs if c.error is None]
+    ok_d = [c for c in choice.draft_costs if c.error is None]
+    if not ok_t:
+        raise SpecDecodeError("no weight format ran on this machine; pass --dtype fp32")
+    best_d = min(ok_d, key=lambda c: c.t1) if ok_d else None
+    if speculative:
+        tau = expected_tokens(ALPHA, choice.k)
+        draft_s = choice.k * best_d.t1 if best_d else 0.0
+        best_t = min(ok_t, key=lambda c: (c.tk + draft_s) / tau)
+    else:
+        best_t = min(ok_t, key=lambda c: c.t1)
+    choice.target = best_t.format
+    choice.draft = best_d.format if best_d else None
+    return choice
+
+
+def table(choice: Choice) -> list[str]:
+    """The measured table as text lines (models --calibrate, docs)."""
+    k = choice.k
+    lines = [
+        f"{'format':<10} {'T(1) ms':>9} {f'T({k + 1}) ms':>9} {f'T({k + 1})/T(1)':>11}  (target: projections)"
+    ]
+    for c in choice.target_costs:
+        mark = " <- chosen" if c.format == choice.target else ""
+        if c.error:
+            lines.append(f"{c.format:<10} {'-':>9} {'-':>9} {'-':>11}  {c.error}")
+        else:
+            lines.append(f"{c.format:<10} {c.t1 * 1e3:>9.1f} {c.tk * 1e3:>9.1f} {c.tk / c.t1:>11.2f}{mark}")
+    if choice.draft_costs:
+        lines.append(f"{'format':<10} {'T(1) ms':>9}  (draft: projections)")
+        for c in choice.draft_costs:
+            mark = " <- chosen" if c.format == choice.draft else ""
+            lines.append(
+                f"{c.format:<10} {'-' if c.error else f'{c.t1 * 1e3:.1f}':>9}{mark}"
+                + (f"  {c.error}" if c.error else "")
+            )
+    return lines

@@ -1,0 +1,203 @@
+"""One path from options to a running generator: `specdecode.open(target, draft=..., ...)`.
+
+`generate`, `serve`, `bench`, the demo and benchmarks/ all come through here, so the rules live in
+one place: which weight format each model runs in (`dtype="auto"`: measured, autotune.py), which
+drafter a method needs, that `draft_dtype` needs a drafter, and that a speculative run on our lean
+runtime is batch-invariant unless the caller opts out (greedy output then equals target-only token
+for token, whatever the format).
+
+    from specdecode import open as sd_open, SamplingParams
+    gen = sd_open("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")   # formats chosen by measuring
+    gen.choice.line()        # 'specdecode: formats: target w8a8 (...), draft int4 (...); ...'
+    gen.generate([[{"role": "user", "content": "..."}]], SamplingParams(temperature=0))
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .autotune import TARGET_CANDIDATES, Choice, Shapes, choose
+from .config import SpecConfig
+from .errors import SpecDecodeError
+from .formats import AUTO, FORMATS, check_format, weight_format
+
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "auto")  # methods whose drafter has weights of its own
+
+
+def default_dtype(target: str) -> str:
+    """The target's format when none is given: auto (measured) for the known real models, whose
+    weights dominate a step; fp32 for the bundled tiny models and local directories (pass
+    dtype='auto' to measure those too)."""
+    from .models import ZOO
+
+    return AUTO if str(target) in ZOO else "fp32"
+
+
+def check_draft_dtype(draft_dtype: str | None, draft: str | None, method: str | None) -> None:
+    """draft_dtype needs something that drafts with weights: a draft model or trained heads."""
+    if draft_dtype not in (None, AUTO) and not draft and method not in HEAD_METHODS:
+        raise SpecDecodeError(
+            "--draft-dtype needs --draft MODEL (or a method with trained heads: eagle, eagle3, medusa)"
+        )
+    if draft_dtype is not None:
+        check_format(draft_dtype, "draft dtype", draft=True)
+
+
+def _lean_shapes(name: str, backend: str) -> Shapes | None:
+    """The projection shapes of a model our lean runtime will run (None: it will not)."""
+    import torch
+
+    from .models import resolve
+    from .models.llama import LlamaConfig
+
+    if backend == "hf":
+        return None
+    path = resolve(name, torch.bfloat16)
+    try:
+        cfg = LlamaConfig.from_dict(json.loads((path / "config.json").read_text()))
+    except (NotImplementedError, KeyError, json.JSONDecodeError):
+        return None
+    if cfg.linear_layers:  # hybrid layers: quantized linear attention is not measured
+        return None
+    return Shapes.of(cfg)
+
+
+def _kernel_of(fmt: str) -> str:
+    """The measured format whose kernel a format runs (a GGUF's Q4_K / Q8_0 blocks: int4 / int8)."""
+    return {"q4_k": "int4", "q8_0": "int8"}.get(fmt, fmt)
+
+
+def _pinned_draft(draft_dtype: str | None, target_format: str, lean: bool) -> str:
+    """A draft model's format when it is not measured: as asked, else the target's (as a draft can
+    run it: a GGUF's blocks belong to the target; transformers runs float formats only)."""
+    if draft_dtype not in (None, AUTO):
+        return draft_dtype
+    if FORMATS[target_format].gguf or (not lean and FORMATS[target_format].quant is not None):
+        return "bf16" if lean else "fp32"
+    return target_format
+
+
+def spec_fields(config: SpecConfig) -> dict:
+    """A parsed SpecConfig's fields as open_models() keywords (the method, the draft's format and
+    invariance are open_models' own arguments)."""
+    from dataclasses import fields
+
+    skip = ("method", "draft_dtype", "batch_invariant")
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
+
+
+@dataclass
+class Loaded:
+    """What open_models() returns: the models, their formats and the options they run with."""
+
+    target: Any
+    draft: Any
+    choice: Choice
+    config: SpecConfig
+
+
+def open_models(
+    target: str,
+    *,
+    draft: str | None = None,
+    method: str | None = None,
+    k: int | None = None,
+    dtype: str | None = None,
+    draft_dtype: str | None = None,
+    backend: str = "auto",
+    device: str = "cpu",
+    batch_invariant: bool | None = None,
+    recalibrate: bool = False,
+    log=None,
+    progress=None,
+    **options: Any,
+) -> Loaded:
+    """Load the target (and draft model) in their formats and build the SpecConfig; see `open`.
+    For front ends that make several generators over the same models (the demo, benchmarks)."""
+    import torch
+
+    from .models import load, resolve, resolve_device
+    from .options import method_heads
+
+    log = log if log is not None else (lambda line: print(line, file=sys.stderr))
+    target = str(target)
+    method = method or ("draft" if draft else None)
+    if method == "draft" and not draft:
+        raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
+    dtype = check_format(dtype or default_dtype(target), "dtype")
+    check_draft_dtype(draft_dtype, draft, method)
+    if backend not in ("auto", "lean", "hf"):
+        raise SpecDecodeError(f"backend must be auto, lean or hf, got {backend!r}")
+    dev = resolve_device(device)
+    k = k if k is not None else SpecConfig.k
+    # validate the options before anything loads (SpecConfig's one-line errors)
+    base = SpecConfig(method=method, k=k, **options)
+    speculative = method is not None
+    has_draft_model = draft is not None
+    draft_auto = has_draft_model and draft_dtype in (None, AUTO) and (dtype == AUTO or draft_dtype == AUTO)
+
+    shapes = _lean_shapes(target, backend) if dev.type == "cpu" else None
+    invariant = bool(shapes is not None) if batch_invariant is None else bool(batch_invariant)
+    draft_shapes = _lean_shapes(draft, backend) if has_draft_model and shapes is not None else None
+    if (dtype == AUTO or (draft_auto and draft_shapes is not None)) and shapes is not None:
+        choice = choose(
+            shapes,
+            draft_shapes if draft_auto else None,
+            k=base.k,
+            invariant=invariant,
+            speculative=speculative,
+            name=Path(target).name,
+            target_formats=TARGET_CANDIDATES if dtype == AUTO else (_kernel_of(dtype),),
+            recalibrate=recalibrate,
+            progress=progress,
+        )
+        if dtype != AUTO:
+            choice.target = dtype
+        if has_draft_model and not (draft_auto and draft_shapes is not None):
+            choice.draft = _pinned_draft(draft_dtype, choice.target, draft_shapes is not None)
+    else:  # nothing to measure: a pinned format, another backend or device
+        t = dtype if dtype != AUTO else ("bf16" if dev.type == "cuda" else "fp32")
+        d = _pinned_draft(draft_dtype, t, draft_shapes is not None) if has_draft_model else None
+        choice = Choice(t, d, base.k, invariant, "pinned" if dtype != AUTO else "default")
+    if dtype == AUTO or draft_auto:
+        log(choice.line())
+
+    t_dtype, t_quant = weight_format(choice.target)
+    resolve(target, t_dtype if t_quant is None else torch.bfloat16)
+    target_model = load(target, backend=backend, dtype=t_dtype, device=dev, quant=t_quant)
+    draft_model = None
+    if has_draft_model:
+        d_dtype, d_quant = weight_format(choice.draft)
+        draft_model = load(draft, backend=backend, dtype=d_dtype, device=dev, quant=d_quant)
+    heads = method_heads(target, method, options.pop("heads", None), draft=draft)
+    head_dtype = draft_dtype if (draft_dtype not in (None, AUTO) and not has_draft_model) else None
+    config = replace(
+        base,
+        heads=heads,
+        batch_invariant=(invariant and target_model.lean) or None,
+        draft_dtype=head_dtype,
+    )
+    return Loaded(target_model, draft_model, choice, config)
+
+
+def open(target: str, *, draft: str | None = None, method: str | None = None, **kwargs: Any):  # noqa: A001
+    """A SpeculativeGenerator from names and options, the way every front end makes one.
+
+    target / draft: a known name (qwen2.5-coder-1.5b, smollm2-135m, ...), a bundled name or a
+    Hugging Face model directory. method: a drafter (default 'draft' with a draft model, else
+    target-only). dtype / draft_dtype: a weight format (formats.py) or 'auto', measured on this
+    machine and cached (the default for known models; fp32 otherwise). batch_invariant: default
+    on for our lean runtime on CPU (greedy speculative output equals target-only), False opts out.
+    k and every other SpecConfig field (policy, tree, heads, draft_vocab, ...) as keywords;
+    backend, device; recalibrate=True measures again; log(line) receives the choice line
+    (default: stderr). The generator's `choice` says which formats run and why."""
+    from .engine import SpeculativeGenerator
+
+    loaded = open_models(target, draft=draft, method=method, **kwargs)
+    gen = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
+    gen.choice = loaded.choice
+    return gen
