@@ -193,8 +193,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=2, help="prompts of each set (default 2)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), help="our target's dtype (default: as the demo)")
-    ap.add_argument("--draft-dtype", choices=("fp32", "bf16"), default="bf16")
+    ap.add_argument("--dtype", default="auto", help="our target's format (default auto: measured)")
+    ap.add_argument("--draft-dtype", default="auto", help="our draft's format (default auto)")
     ap.add_argument("--hf-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--systems", default="ours,transformers,llama.cpp", help="comma-separated")
     ap.add_argument("--llama-bf16", action="store_true", help="also llama.cpp on BF16 copies of the GGUFs")
@@ -207,18 +207,23 @@ def main() -> int:
 
     import torch
 
-    from specdecode import SamplingParams, SpeculativeGenerator, load
+    from specdecode import SamplingParams, SpeculativeGenerator
     from specdecode.bench.runners import TransformersRunner, load_transformers
-    from specdecode.cli.generate import DTYPES
-    from specdecode.demo import PAIR_DRAFT, PAIR_TARGET, pair_dtypes
+    from specdecode.demo import PAIR_DRAFT, PAIR_TARGET
     from specdecode.drafters.suffix import clear_process_caches
+    from specdecode.formats import DTYPES
     from specdecode.models import ZOO, resolve
+    from specdecode.opener import open_models
 
     torch.set_num_threads(THREADS)
     systems = set(args.systems.split(","))
-    t_dtype = args.dtype or pair_dtypes()[0]
     dt = lambda name: getattr(torch, DTYPES[name])
-    target = load(PAIR_TARGET, dtype=dt(t_dtype))
+    # ours: the library's one loading path with the CLI's defaults (formats measured, invariant)
+    loaded = open_models(
+        PAIR_TARGET, draft=PAIR_DRAFT, k=args.k, dtype=args.dtype, draft_dtype=args.draft_dtype
+    )
+    target, draft, inv = loaded.target, loaded.draft, loaded.config.batch_invariant
+    t_dtype = f"{loaded.choice.target} + draft {loaded.choice.draft}"
     tok = target.tokenizer
     work = prompts(args.limit)
     for w in work:
@@ -233,12 +238,13 @@ def main() -> int:
     runners: dict[str, Callable[[dict], dict]] = {}
     n, k = args.max_new_tokens, args.k
     if "ours" in systems:
-        draft = load(PAIR_DRAFT, dtype=dt(args.draft_dtype))
         gens = {
-            "ours target-only": SpeculativeGenerator(target),
-            f"ours draft (k={k})": SpeculativeGenerator(target, draft=draft, k=k),
-            f"ours suffix (k={k})": SpeculativeGenerator(target, method="suffix", k=k),
-            f"ours auto (k={k})": SpeculativeGenerator(target, draft=draft, method="auto", k=k),
+            "ours target-only": SpeculativeGenerator(target, batch_invariant=inv),
+            f"ours draft (k={k})": SpeculativeGenerator(target, draft=draft, k=k, batch_invariant=inv),
+            f"ours suffix (k={k})": SpeculativeGenerator(target, method="suffix", k=k, batch_invariant=inv),
+            f"ours auto (k={k})": SpeculativeGenerator(
+                target, draft=draft, method="auto", k=k, batch_invariant=inv
+            ),
         }
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         runners.update({name: partial(run_ours, g, params, clear_process_caches) for name, g in gens.items()})
@@ -320,7 +326,7 @@ def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
     names = list(results)
     lines = [
         f"# Peers on Qwen2.5-Coder-1.5B-Instruct (+0.5B draft), greedy, batch 1, {THREADS} threads, "
-        f"{args.max_new_tokens} new tokens, k = {args.k}; ours: target {t_dtype}, draft {args.draft_dtype}; "
+        f"{args.max_new_tokens} new tokens, k = {args.k}; ours: target {t_dtype}; "
         f"transformers {args.hf_dtype}",
         "",
         "| system | " + " | ".join(sets) + " | geometric mean speed-up |",
@@ -334,8 +340,25 @@ def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
         table[name] = {"tokens_per_s": {s: rate[s][name] for s in sets}, "speedup_geomean": gm}
         cells = [f"{rate[s][name]:.2f} tok/s ({rate[s][name] / rate[s][base]:.2f}x)" for s in sets]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {gm:.2f}x |")
-    lines += ["", "Speed-ups are over each system's own target-only on the same prompts in this run."]
-    return {"table": table, "markdown": "\n".join(lines) + "\n"}
+    lines += ["", "Speed-ups are over each system's own target-only on the same prompts in this run.", ""]
+    best = {}
+    for s in sets:  # each system's best mode per prompt set, ours over llama.cpp's
+        ours = max((n for n in names if n.startswith("ours")), key=lambda n: rate[s][n], default=None)
+        peer = max((n for n in names if n.startswith("llama.cpp")), key=lambda n: rate[s][n], default=None)
+        if ours and peer:
+            best[s] = {"ours": ours, "llama.cpp": peer, "ratio": rate[s][ours] / rate[s][peer]}
+            lines.append(
+                f"- {s}: ours best ({ours}, {rate[s][ours]:.2f} tok/s) / llama.cpp best ({peer}, "
+                f"{rate[s][peer]:.2f} tok/s) = **{best[s]['ratio']:.2f}x**"
+            )
+    if "ours target-only" in names:
+        plain = [n for n in names if n.startswith("llama.cpp") and n.endswith("plain")]
+        for s in sets:
+            for p in plain:
+                lines.append(
+                    f"- {s}: ours target-only / {p} = {rate[s]['ours target-only'] / rate[s][p]:.2f}x"
+                )
+    return {"table": table, "best": best, "markdown": "\n".join(lines) + "\n"}
 
 
 if __name__ == "__main__":

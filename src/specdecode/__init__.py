@@ -1,6 +1,7 @@
 """specdecode: exact speculative decoding.
 
 from specdecode import load, SpeculativeGenerator, SamplingParams
+gen = specdecode.open("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")  # formats measured, cached
 target = load("three-kingdoms/target")
 gen = SpeculativeGenerator(target, draft=load("three-kingdoms/draft-64"), k=4)
 gen.generate(["孔明曰：「"], SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
@@ -15,6 +16,7 @@ from .emit import GenerationResult, RoundEvent
 from .engine import Generation, SpeculativeGenerator
 from .errors import SpecDecodeError
 from .models import load
+from .opener import open  # noqa: A004, F401 (specdecode.open, like gzip.open; not in __all__)
 from .policy import CostModel
 from .sampling import SamplingParams, logits_to_probs
 from .stats import GenerationStats

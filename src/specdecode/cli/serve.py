@@ -12,9 +12,7 @@ from ..options import (
     SAMPLING_RULE_HELP,
     WEIGHT_FORMATS,
     add_spec_flags,
-    method_heads,
     spec_config,
-    weight_format,
 )
 from ..sampling import SAMPLING_RULES
 
@@ -71,10 +69,9 @@ def register(sub) -> None:
     s.add_argument(
         "--dtype",
         default=None,
-        choices=WEIGHT_FORMATS,
-        help=DTYPE_HELP.replace("fp32 (default)", "fp32")
-        + ". Default: bf16 for smollm2-135m; for the Qwen2.5-Coder pair bf16 where this CPU packs bf16 "
-        "weights, else fp32 (with a bf16 draft); fp32 otherwise",
+        choices=("auto", *WEIGHT_FORMATS),
+        metavar="FORMAT",
+        help=DTYPE_HELP,
     )
     s.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     s.add_argument(
@@ -165,28 +162,17 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError("--load-costs is read by the load-aware policy; drop --no-load-aware")
     if args.prefix_cache_mb < 0:
         raise SpecDecodeError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
-    if args.draft_dtype and not args.draft and args.method not in ("eagle", "eagle3", "medusa", "auto", None):
-        raise SpecDecodeError(
-            "--draft-dtype needs --draft MODEL (or a method with trained heads: eagle, eagle3, medusa)"
-        )
+    from ..opener import check_draft_dtype
 
-
-def default_dtypes(target: str) -> tuple[str, str | None]:
-    """(target, draft) weight formats when --dtype / --draft-dtype are not given."""
-    from ..demo import PAIR_TARGET, pair_dtypes
-
-    if target == PAIR_TARGET:
-        return pair_dtypes()
-    if target == "smollm2-135m":
-        return "bf16", None
-    return "fp32", None
+    check_draft_dtype(args.draft_dtype, args.draft, args.method or "auto")
 
 
 def build(args: argparse.Namespace):
     """The generator and server for these arguments (calibrated when load-aware)."""
 
     from ..engine import SpeculativeGenerator
-    from ..models import ZOO, load, resolve, resolve_device
+    from ..models import ZOO
+    from ..opener import open_models, spec_fields
     from ..policy import LoadCosts, OnlineCosts
 
     zoo = args.target in ZOO
@@ -196,26 +182,24 @@ def build(args: argparse.Namespace):
     if method is None and args.draft:
         method = "draft"
     k = args.k or (2 if args.target == "smollm2-135m" else 4)
-    target_fmt, draft_fmt = default_dtypes(args.target)
-    target_fmt = args.dtype or target_fmt
-    device, (dtype, quant) = resolve_device(args.device), weight_format(target_fmt)
-    draft_name = args.draft_dtype or (draft_fmt if args.dtype is None else None) or target_fmt
-    draft_dtype, draft_quant = weight_format(draft_name)
-    resolve(args.target, dtype)
-    if args.draft:
-        resolve(args.draft, draft_dtype)
-    target = load(args.target, backend=args.backend, dtype=dtype, device=device, quant=quant)
-    draft = None
-    if args.draft:
-        draft = load(args.draft, backend=args.backend, dtype=draft_dtype, device=device, quant=draft_quant)
-    config = spec_config(
-        args,
+    options = spec_fields(spec_config(args, k=k, method=method))
+    options.pop("k")
+    loaded = open_models(
+        args.target,
+        draft=args.draft,
         method=method,
         k=k,
-        heads=method_heads(args.target, method, args.heads, draft=args.draft),
-        batch_invariant=(target.lean and not args.no_batch_invariant) or None,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        backend=args.backend,
+        device=args.device,
+        batch_invariant=False if args.no_batch_invariant else None,
+        log=lambda line: print(line.replace("specdecode:", "specdecode serve:", 1), file=sys.stderr),
+        **options,
     )
+    target, draft, config = loaded.target, loaded.draft, loaded.config
     gen = SpeculativeGenerator(target, draft=draft, config=config)
+    gen.choice = loaded.choice
     from ..serve import Server, batch_sizes
 
     if gen.drafter is not None and not args.no_load_aware:

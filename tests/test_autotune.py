@@ -1,0 +1,147 @@
+"""The one loading path (specdecode.open / open_models) and dtype="auto": the weight-format table
+is the only list, the choice ranks measured costs as documented, is cached per machine, and every
+format it may pick keeps greedy speculative output equal to target-only (batch-invariant by
+default). Tiny random models only; the real pair's figures are in benchmarks/."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import specdecode
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.autotune import Choice, FormatCosts, Shapes, _pick, best_step, choose
+from specdecode.cli import main
+from specdecode.config import DRAFT_DTYPES
+from specdecode.errors import SpecDecodeError
+from specdecode.formats import DRAFT_FORMATS, FORMATS, WEIGHT_FORMATS, weight_format
+from specdecode.opener import open_models
+
+TINY = Shapes(hidden=64, qkv_out=128, attn_in=64, inter=96, layers=2, vocab=80)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_every_front_end_reads_the_one_format_table():
+    from specdecode import options, roofline
+    from specdecode.models import GGUF_QUANTS
+
+    assert options.WEIGHT_FORMATS == WEIGHT_FORMATS == tuple(FORMATS)
+    assert DRAFT_DTYPES == DRAFT_FORMATS and not set(GGUF_QUANTS) & set(DRAFT_FORMATS)
+    assert set(GGUF_QUANTS) == {n for n, f in FORMATS.items() if f.gguf}
+    for name, f in FORMATS.items():
+        assert roofline.DTYPE_BYTES[name] == f.bytes_per_weight
+        dtype, quant = weight_format(name)
+        assert str(dtype) == f"torch.{f.activations}" and quant == f.quant
+    with pytest.raises(SpecDecodeError, match="choose one of"):
+        weight_format("int3")
+
+
+def _choice(k=4):
+    target = [
+        FormatCosts("fp32", t1=0.30, tk=0.34),
+        FormatCosts("bf16", t1=0.13, tk=0.14),  # cheapest verification
+        FormatCosts("w8a8", t1=0.06, tk=0.17),
+        FormatCosts("int4", t1=0.05, tk=0.20),  # cheapest step
+        FormatCosts("int8", error="kernel failed its check"),
+    ]
+    draft = [FormatCosts("bf16", t1=0.05), FormatCosts("int4", t1=0.02), FormatCosts("w8a8", error="x")]
+    return Choice("", None, k, True, "measured", target, draft)
+
+
+def test_auto_ranks_targets_by_the_round_when_drafting_and_by_the_step_alone():
+    spec = _pick(_choice(), speculative=True)
+    assert (spec.target, spec.draft) == ("bf16", "int4")
+    solo = _pick(_choice(), speculative=False)
+    assert solo.target == "int4" and best_step(solo) == "int4"
+    only_broken = Choice("", None, 4, True, "measured", [FormatCosts("int8", error="x")], [])
+    with pytest.raises(SpecDecodeError, match="no weight format ran"):
+        _pick(only_broken, speculative=True)
+
+
+def test_auto_choice_is_measured_once_per_machine_then_read_from_the_cache(cache):
+    fmts = ("fp32", "int8", "w8a8")
+    first = choose(TINY, TINY, k=2, invariant=True, speculative=True, name="t", target_formats=fmts)
+    assert first.how == "measured" and first.target in fmts and first.draft is not None
+    assert {c.format for c in first.target_costs} == set(fmts)
+    assert all(c.error is None and 0 < c.t1 and 0 < c.tk for c in first.target_costs)
+    again = choose(TINY, TINY, k=2, invariant=True, speculative=True, name="t", target_formats=fmts)
+    assert again.how == "cached" and again.target_costs == first.target_costs
+    assert json.loads(open(again.cache).read())["target"] == first.target
+    redo = choose(
+        TINY, TINY, k=2, invariant=True, speculative=True, name="t", target_formats=fmts, recalibrate=True
+    )
+    assert redo.how == "measured"
+    other_k = choose(TINY, TINY, k=3, invariant=True, speculative=True, name="t", target_formats=fmts)
+    assert other_k.how == "measured" and other_k.cache != first.cache
+
+
+PROMPTS = ["0 1 2 3", "9 8 7", "5 5 5 5 5 5"]
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp32", "bf16", "w8a8", "int4"])
+def test_every_format_the_auto_choice_may_pick_is_greedy_identical_to_target_only(pair_dir, cache, fmt):
+    """open_models' default forward is batch-invariant, so whatever format runs the target (the
+    measured choice or a pinned one), greedy speculative tokens equal target-only's in that format."""
+    target_dir, draft_dir = pair_dir
+    loaded = open_models(str(target_dir), draft=str(draft_dir), k=3, dtype=fmt, log=lambda line: None)
+    assert loaded.config.batch_invariant and loaded.choice.target in WEIGHT_FORMATS
+    assert loaded.choice.draft in DRAFT_FORMATS
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    spec = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
+    solo = SpeculativeGenerator(loaded.target, batch_invariant=True)
+    got = [r.token_ids for r in spec.generate(PROMPTS, params)]
+    want = [r.token_ids for r in solo.generate(PROMPTS, params)]
+    assert got == want
+    assert sum(r.stats.accepted for r in spec.generate(PROMPTS[:1], params)) > 0
+
+
+def test_open_returns_a_generator_that_says_which_formats_run(pair_dir, cache):
+    target_dir, draft_dir = pair_dir
+    lines = []
+    gen = specdecode.open(str(target_dir), draft=str(draft_dir), dtype="auto", k=2, log=lines.append)
+    assert gen.choice.how == "measured" and gen.k == 2 and gen.batch_invariant
+    assert len(lines) == 1 and lines[0].startswith("specdecode: formats: target ")
+    assert gen.choice.summary()["target"] == gen.choice.target
+    plain = specdecode.open(str(target_dir), log=lines.append)  # a local directory: fp32, said nowhere
+    assert plain.choice.how == "default" and plain.choice.target == "fp32" and len(lines) == 1
+    opted_out = specdecode.open(str(target_dir), dtype="bf16", batch_invariant=False)
+    assert opted_out.choice.how == "pinned" and not opted_out.batch_invariant
+
+
+def test_draft_dtype_without_a_drafter_is_one_line_before_anything_loads(pair_dir, capsys):
+    target_dir, _ = pair_dir
+    with pytest.raises(SpecDecodeError, match="--draft-dtype needs --draft"):
+        open_models(str(target_dir), draft_dtype="int4")
+    with pytest.raises(SpecDecodeError, match="unknown dtype 'int3'"):
+        open_models(str(target_dir), dtype="int3")
+    for argv in (
+        ["generate", "--target", str(target_dir), "--draft-dtype", "int4", "--prompt", "x"],
+        ["serve", "--target", str(target_dir), "--draft-dtype", "int4", "--method", "ngram"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--draft-dtype needs --draft" in err[0]
+
+
+def test_generate_json_reports_the_auto_choice_and_models_calibrate_prints_the_table(pair_dir, cache, capsys):
+    target_dir, draft_dir = pair_dir
+    argv = ["generate", "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "auto"]
+    assert main([*argv, "--prompt", "1 2 3", "--temperature", "0", "--max-new-tokens", "8", "--json"]) == 0
+    out = capsys.readouterr()
+    formats = json.loads(out.out)["stats"]["formats"]
+    assert formats["how"] == "measured" and formats["batch_invariant"] is True
+    assert "specdecode: formats: target" in out.err
+    assert (
+        main(["models", "--calibrate", "--target", str(target_dir), "--draft", str(draft_dir), "--json"]) == 0
+    )
+    row = json.loads(capsys.readouterr().out)
+    assert row["how"] == "measured" and {c["format"] for c in row["target_costs"]} >= {"fp32", "w8a8", "int4"}
+    assert main(["models", "--calibrate", "--target", str(target_dir), "--k", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "<- chosen" in text and "T(3) ms" in text
