@@ -28,13 +28,18 @@ from .formats import AUTO, FORMATS, check_format, weight_format
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "auto")  # methods whose drafter has weights of its own
 
 
-def default_dtype(target: str) -> str:
-    """The target's format when none is given: auto (measured) for the known real models, whose
-    weights dominate a step; fp32 for the bundled tiny models and local directories (pass
-    dtype='auto' to measure those too)."""
-    from .models import ZOO
+# known models whose default format is measured (weights dominate their step, and their GGUF
+# is already 4-bit, so an 8- or 4-bit format keeps what the file holds); SmolLM2-135M keeps bf16:
+# re-quantized to 4 bits it answered "What is the capital of France?" without "Paris" (test_serve)
+AUTO_BY_DEFAULT = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+DEFAULT_FORMATS = {"smollm2-135m": "bf16"}
 
-    return AUTO if str(target) in ZOO else "fp32"
+
+def default_dtype(target: str) -> str:
+    """The target's format when none is given: auto (measured) for the Qwen2.5-Coder pair; bf16
+    for smollm2-135m; fp32 for the bundled tiny models and local directories (pass dtype='auto'
+    to measure any of them)."""
+    return AUTO if str(target) in AUTO_BY_DEFAULT else DEFAULT_FORMATS.get(str(target), "fp32")
 
 
 def check_draft_dtype(draft_dtype: str | None, draft: str | None, method: str | None) -> None:

@@ -24,7 +24,7 @@ import torch
 from ..drafters.suffix import clear_process_caches
 from ..engine import SpeculativeGenerator
 from ..errors import SpecDecodeError
-from ..models import ZOO, load, resolve
+from ..models import ZOO, resolve
 from ..progress import bar
 from .runners import LlamaCppRunner, OursRunner, Run, Runner, TransformersRunner, load_transformers
 
@@ -109,12 +109,14 @@ class ModelBenchConfig:
     quick: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
-    dtype: str = "fp32"
-    draft_dtype: str | None = None  # the draft model's (default: dtype)
+    dtype: str | None = None  # None: opener.default_dtype (auto for known models, else fp32)
+    draft_dtype: str | None = None  # the draft model's (default: auto / the target's, opener.open_models)
     device: str = "cpu"
-    transformers: bool = True
+    # the heavy comparisons; None: on for small models, off for the known real models (a float
+    # copy in transformers and a second forward mode of a 1.5B model cost minutes and gigabytes)
+    transformers: bool | None = None
     llama_cpp: bool = True
-    invariance: bool = True  # also run ours batch-invariant: divergences, cost, batch of 8
+    invariance: bool | None = None  # also run ours batch-invariant: divergences, cost, batch of 8
     tree: str | None = None  # a token tree for the method (e.g. 4,2,1)
     seed: int = 0
     sampling_rule: str = "standard"  # invariant: sampled runs must give target-only's text
@@ -126,6 +128,9 @@ class ModelBenchConfig:
         if quick:
             base.update(per_category=2, max_new_tokens=64)
         cfg = ModelBenchConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+        heavy_default = cfg.target not in ZOO or cfg.target == "smollm2-135m"
+        cfg.transformers = heavy_default if cfg.transformers is None else cfg.transformers
+        cfg.invariance = heavy_default if cfg.invariance is None else cfg.invariance
         if cfg.k < 1:
             raise SpecDecodeError(f"--k must be >= 1, got {cfg.k}")
         if cfg.max_new_tokens < 4:
@@ -150,8 +155,9 @@ class ModelBenchConfig:
             raise SpecDecodeError(f"unknown --method {cfg.method!r}; choose one of {', '.join(DRAFTERS)}")
         if cfg.method == "draft" and not cfg.draft:
             raise SpecDecodeError("--method draft needs --draft MODEL")
-        if cfg.draft_dtype and not cfg.draft and cfg.method not in ("eagle", "eagle3", "medusa", "auto"):
-            raise SpecDecodeError("--draft-dtype needs --draft MODEL or a method with trained heads")
+        from ..opener import check_draft_dtype
+
+        check_draft_dtype(cfg.draft_dtype, cfg.draft, cfg.method)
         return cfg
 
 
@@ -188,13 +194,13 @@ def _gguf_of(target: str, path: Path) -> Path | None:
     return None
 
 
-def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Runner]:
+def _runners(cfg: ModelBenchConfig, loaded, dtype: torch.dtype, log) -> list[Runner]:
     from ..options import method_heads
 
     rule = cfg.sampling_rule
-    runners: list[Runner] = [
-        OursRunner("ours target-only", SpeculativeGenerator(target), "target-only", "-", {}, rule)
-    ]
+    target, inv = loaded.target, loaded.config.batch_invariant
+    solo = SpeculativeGenerator(target, batch_invariant=inv)
+    runners: list[Runner] = [OursRunner("ours target-only", solo, "target-only", "-", {}, rule)]
     if cfg.invariance:
         gen = SpeculativeGenerator(target, batch_invariant=True)
         runners.append(OursRunner(INV_BASE, gen, "target-only", "-", {"batch_invariant": True}, rule))
@@ -203,8 +209,7 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
         if cfg.method == "ngram":
             kw.update(ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min)
         if cfg.draft:
-            ddtype, dquant = _draft_format(cfg, dtype)
-            kw["draft"] = load(cfg.draft, dtype=ddtype, device=cfg.device, quant=dquant)
+            kw["draft"] = loaded.draft
         elif cfg.draft_dtype:
             kw["draft_dtype"] = cfg.draft_dtype
         heads = method_heads(cfg.target, cfg.method, cfg.heads, draft=cfg.draft)
@@ -212,7 +217,7 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
             kw["heads"] = heads
         if cfg.tree:
             kw["tree"] = cfg.tree
-        gen = SpeculativeGenerator(target, **kw)
+        gen = SpeculativeGenerator(target, batch_invariant=inv, **kw)
         runners.append(
             OursRunner(f"ours {cfg.method} ({cfg.policy})", gen, cfg.method, cfg.policy, {"k": cfg.k}, rule)
         )
@@ -228,8 +233,8 @@ def _runners(cfg: ModelBenchConfig, target, dtype: torch.dtype, log) -> list[Run
         runners.append(
             TransformersRunner(f"transformers prompt lookup (k={cfg.k})", hf, "lookup", {"k": cfg.k})
         )
-        if cfg.draft and _draft_format(cfg, dtype)[1] is None:
-            draft_dtype = _draft_format(cfg, dtype)[0]
+        if cfg.draft and getattr(loaded.draft, "quant", None) is None:
+            draft_dtype = loaded.draft.dtype
             hf_draft = load_transformers(resolve(cfg.draft, draft_dtype), cfg.device, draft_dtype)
             const = {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "constant"}
             runners.append(
@@ -258,13 +263,6 @@ def _fixed_text(cfg: ModelBenchConfig) -> bool:
     """The output is a function of the target alone (greedy, or seeded under the invariant rule):
     every run must give target-only's tokens."""
     return cfg.temperature == 0 or cfg.sampling_rule == "invariant"
-
-
-def _draft_format(cfg: ModelBenchConfig, dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
-    """(activation dtype, quantization) of the draft model: --draft-dtype, else the target's dtype."""
-    from ..options import weight_format
-
-    return weight_format(cfg.draft_dtype) if cfg.draft_dtype else (dtype, None)
 
 
 def _inv_method(cfg: ModelBenchConfig) -> str:
@@ -321,9 +319,8 @@ def _pass_at_1(target, prompts: list[dict], runs: dict[str, list[Run]], chat: bo
 
 
 def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
-    from ..options import weight_format
+    from ..opener import open_models
 
-    dtype, quant = weight_format(cfg.dtype)
     prompts = read_prompts(cfg.prompts)
     known = sorted({p["category"] for p in prompts})
     for c in cfg.categories:
@@ -338,10 +335,21 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         by_cat = {c: ps[: cfg.per_category] for c, ps in by_cat.items()}
 
     rss0 = _rss_mb()
-    target = load(cfg.target, dtype=dtype, device=cfg.device, quant=quant)
+    loaded = open_models(
+        cfg.target,
+        draft=cfg.draft,
+        method=cfg.method,
+        k=cfg.k,
+        dtype=cfg.dtype,
+        draft_dtype=cfg.draft_dtype if cfg.draft else None,
+        device=cfg.device,
+        log=log,
+    )
+    target, dtype = loaded.target, loaded.target.dtype
+    cfg.dtype = loaded.choice.target
     rss_model = _rss_mb() - rss0
     ids = {c: [_encode(target, p, cfg.chat) for p in ps] for c, ps in by_cat.items()}
-    runners = _runners(cfg, target, dtype, log)
+    runners = _runners(cfg, loaded, dtype, log)
 
     # runtime: verification cost, memory floor, memory
     from .harness import forward_costs

@@ -60,16 +60,25 @@ def register(sub) -> None:
     )
     t.add_argument("--limit", type=int, help="prompts per category (default all; --quick 2)")
     t.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    t.add_argument("--dtype", default="fp32", choices=WEIGHT_FORMATS, help=DTYPE_HELP)
+    t.add_argument(
+        "--dtype", default=None, choices=("auto", *WEIGHT_FORMATS), metavar="FORMAT", help=DTYPE_HELP
+    )
     t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when it is installed")
     t.add_argument(
-        "--no-invariance",
-        action="store_true",
-        help="skip the batch-invariant runs (by default ours target-only and ours METHOD also run with "
-        "--batch-invariant: prompts whose greedy output differs from target-only, the cost, a batch of 8)",
+        "--invariance",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run ours target-only and ours METHOD with --batch-invariant (prompts whose greedy output "
+        "differs from target-only, the cost, a batch of 8); default on, off for the known real models",
     )
     b.add_argument("--temperature", type=float, action="append", help="repeatable (default 0 and 1)")
-    b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    b.add_argument(
+        "--transformers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the transformers baselines (default on; with --target off for the known real models, whose "
+        "float copy costs gigabytes and minutes)",
+    )
     b.add_argument("--seed", type=int, default=0)
     add_sampling_rule_flag(b)
     b.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (models and caches)")
@@ -122,7 +131,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             prompts_per_set=prompts_per_set,
             temperatures=tuple(args.temperature) if args.temperature else None,
-            transformers=not args.no_transformers,
+            transformers=args.transformers is not False,
             seed=args.seed,
             sampling_rule=args.sampling_rule,
             progress=progress,
@@ -167,9 +176,9 @@ def _bench_model(args: argparse.Namespace, progress: bool) -> int:
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         device=str(resolve_device(args.device)),
-        transformers=not args.no_transformers,
+        transformers=args.transformers,
         llama_cpp=not args.no_llama_cpp,
-        invariance=not args.no_invariance,
+        invariance=args.invariance,
         seed=args.seed,
         sampling_rule=args.sampling_rule,
         progress=progress,

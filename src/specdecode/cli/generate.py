@@ -108,6 +108,7 @@ def _generate(args: argparse.Namespace) -> int:
     loaded = open_models(
         args.target,
         draft=args.draft,
+        method=config.method,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         backend=args.backend,
