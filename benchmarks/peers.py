@@ -150,7 +150,18 @@ def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int
 def run_ours(gen, params, clear_caches, w: dict) -> dict:
     clear_caches()  # each prompt on its own: no suffix drafts from other runs of it
     (r,) = gen.generate([w["ids"]], params)
-    return {"tokens": len(r.token_ids), "seconds": r.stats.wall_s, "acceptance": r.stats.acceptance_rate}
+    st = r.stats
+    return {
+        "tokens": len(r.token_ids),
+        "seconds": st.wall_s,
+        "acceptance": st.acceptance_rate,
+        "tau": st.tokens_per_forward,
+        "draft_s": st.draft_s,
+        "target_s": st.target_s,
+        "rounds": st.rounds,
+        "drafted": st.drafted,
+        "token_ids": list(r.token_ids),  # greedy identity with ours target-only (the report)
+    }
 
 
 def run_transformers(runner, n: int, w: dict) -> dict:
@@ -351,6 +362,12 @@ def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
                 f"- {s}: ours best ({ours}, {rate[s][ours]:.2f} tok/s) / llama.cpp best ({peer}, "
                 f"{rate[s][peer]:.2f} tok/s) = **{best[s]['ratio']:.2f}x**"
             )
+    if "ours target-only" in names and "token_ids" in results["ours target-only"][0]:
+        ref = [r["token_ids"] for r in results["ours target-only"]]
+        for name in names:
+            if name.startswith("ours ") and name != "ours target-only":
+                same = sum(r["token_ids"] == t for r, t in zip(results[name], ref))
+                lines.append(f"- {name}: greedy tokens equal ours target-only's on {same}/{len(ref)} prompts")
     if "ours target-only" in names:
         plain = [n for n in names if n.startswith("llama.cpp") and n.endswith("plain")]
         for s in sets:
