@@ -162,3 +162,42 @@ def test_without_batch_invariance_a_bf16_batch_of_8_leaves_target_only():
     want = [SpeculativeGenerator(target).generate(t, GREEDY)[0].token_ids for t in TEXTS]
     got = [r.token_ids for r in SpeculativeGenerator(target, draft=draft, k=4).generate(TEXTS, GREEDY)]
     assert got != want
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_invariant_forward_is_the_same_when_a_verification_crosses_a_key_chunk(tmp_path, dtype):
+    """Qwen2's head size (128) and grouped queries, drafts verified across the 64- and 128-key
+    chunk boundaries, rejected ones rewound: every token's logits equal its one-token decode.
+    (MKL's score GEMM over 64 and over 128 keys differed in the last bits on an AMX Xeon, and a
+    near-tie flipped: the scores are now one GEMM per 64-key chunk, whatever the key count.)"""
+    from specdecode.models.init import init_model
+
+    path = init_model(
+        tmp_path / "m",
+        vocab=64,
+        layers=2,
+        dim=768,
+        heads=6,
+        kv_heads=2,
+        intermediate=256,
+        seed=3,
+        init_std=0.2,
+    )
+    model = load(str(path), dtype=DTYPES[dtype])
+    assert model.cfg.head_dim == 128
+    seq = torch.randint(0, 64, (1, 160), generator=torch.Generator().manual_seed(0))
+    start = 52
+    ref_cache, cache = (model.new_cache(1, 256, invariant=True) for _ in range(2))
+    for c in (ref_cache, cache):
+        model.forward(seq[:, :start], c)
+    alone = [model.forward(seq[:, i : i + 1], ref_cache)[0][0, 0] for i in range(start, 150)]
+    at, keep = start, [3, 5, 1, 4, 5, 2, 5, 5, 3, 4, 5, 2, 5, 1, 5, 4, 3, 5, 5, 2, 4, 5, 3, 5, 5]
+    for kept in keep:
+        if at + 5 > 150:
+            break
+        out = model.forward(seq[:, at : at + 5], cache)[0][0]
+        for i in range(kept):
+            assert torch.equal(out[i], alone[at + i - start]), f"position {at + i}"
+        cache.rewind(cache.lengths - (5 - kept))
+        at += kept
+    assert at > 2 * KEY_CHUNK

@@ -9,11 +9,13 @@ issue 17).
 
 This attention fixes every reduction's order per query:
 
-- scores: one GEMM over [queries padded to a multiple of ROW_MULTIPLE rows] x [keys padded to a
-  whole number of KEY_CHUNK chunks], in float32 from float32 keys (an exact copy of the bf16
-  projections). Measured on this machine's MKL: a row's result does not depend on the row count
-  (any multiple of 4), its place among the rows, or the key count (any multiple of 64);
-  tests/test_invariance.py checks it where the suite runs.
+- scores: one GEMM per chunk of KEY_CHUNK keys, [queries padded to a multiple of ROW_MULTIPLE
+  rows] x [64 keys], batched over chunks, in float32 from float32 keys (an exact copy of the bf16
+  projections), then scaled and masked elementwise. One GEMM over all keys is not enough: on an
+  AMX Xeon MKL's result for the first 64 keys differed in the last bits between 64 and 128 keys
+  (benchmarks/NOTES.md, issue 35). A row's result does not depend on the row count (any multiple
+  of 4), its place among the rows, or the number of chunks; tests/test_invariance.py checks it
+  where the suite runs, across chunk boundaries.
 - softmax over the padded key axis (masked keys are -inf, their weights exactly 0; the row
   length is a multiple of the vector width, so no element falls in a scalar tail).
 - weights x values: one GEMM per chunk of KEY_CHUNK keys (every one the same shape, so the same
@@ -39,8 +41,9 @@ import torch.nn.functional as F
 
 from ..cache import KEY_CHUNK, chunked
 
-# GEMM row counts are padded to a multiple of this (MKL picks another kernel for 1-3 rows)
-ROW_MULTIPLE = 4
+# GEMM row counts are padded to a multiple of this (MKL picks another kernel for 1-3 rows; on an
+# AMX Xeon a 4-row score GEMM also differed from an 8- or 16-row one in the last bits)
+ROW_MULTIPLE = 8
 
 
 def padded_rows(n: int) -> int:
@@ -108,8 +111,13 @@ class InvariantAttention:
         B, T, Hkv, G, D, M, M0, N = self.B, self.T, self.Hkv, self.G, self.D, self.M, self.M0, self.N
         BH, nc = B * Hkv, N // KEY_CHUNK
         self.q[:, :, :M].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4))
-        k = keys.narrow(2, 0, N).reshape(BH, N, D)
-        scores = torch.baddbmm(self.mask, self.q.view(BH, M0, D), k.transpose(1, 2), alpha=self.scale)
+        # scores: one GEMM per chunk of KEY_CHUNK keys, all of one shape ([M0, D] x [D, 64]):
+        # a GEMM over all N keys at once took another kernel for 64 than for 128 keys on an AMX
+        # Xeon's MKL, and a token's scores moved in the last bits with the key count
+        k = keys.narrow(2, 0, N).reshape(BH * nc, KEY_CHUNK, D)
+        q = self.q.view(BH, 1, M0, D).expand(BH, nc, M0, D).reshape(BH * nc, M0, D)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(BH, nc, M0, KEY_CHUNK).transpose(1, 2)
+        scores = scores.reshape(BH, M0, N).mul_(self.scale).add_(self.mask)
         if self.order is not None:  # a tree: the scores in each node's logical key order
             scores = scores.gather(2, self.order).masked_fill_(self.blocked, float("-inf"))
         p = torch.softmax(scores, dim=-1)  # [BH, M0, N]
