@@ -223,7 +223,7 @@ class EagleDrafter(FeatureDrafter):
 
     def _fuse(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """[B, T] next tokens and [B, T, d] features -> [B, T, d] inputs of the layer."""
-        x = torch.cat([F.embedding(tokens, self.target.embed), feats], -1)
+        x = torch.cat([F.embedding(tokens, self.target.embed).to(feats.dtype), feats], -1)
         if self.fc is not None:
             return self.fc(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return F.linear(x, self.fc_w, self.fc_b)

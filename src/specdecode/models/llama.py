@@ -174,6 +174,13 @@ class _LazyWeights(Mapping):
             t = fh.get_tensor(name)
         return t if t.dtype == dtype else None
 
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor as a view of the file's memory map in its stored dtype (no copy)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as fh:
+            return fh.get_tensor(name)
+
     def __iter__(self):
         return iter(self._where)
 
@@ -258,9 +265,16 @@ class LlamaModel:
         embed = "model.embed_tokens.weight"
         if quant is not None:  # the head quantized; the table the lookups read stays float
             head = "lm_head.weight" if "lm_head.weight" in weights and not cfg.tie_word_embeddings else embed
-            mapped = weights.mapped(embed, dtype) if isinstance(weights, _LazyWeights) else None
-            self.embed = mapped if mapped is not None and self.device.type == "cpu" else w(embed)
-            self._lm_head = self.embed if head == embed else w(head)
+
+            # both plain tables stay in the file's memory map on CPU, as stored (only the rows
+            # read become resident; lookups are cast to `dtype`, exactly: the file's values): the
+            # head runs quantized, and its plain copy is made only for a drafter that reads it
+            def plain(name: str) -> torch.Tensor:
+                mapped = weights.stored(name) if isinstance(weights, _LazyWeights) else None
+                return mapped if mapped is not None and self.device.type == "cpu" else w(name)
+
+            self.embed = plain(embed)
+            self._lm_head = self.embed if head == embed else plain(head)
             self._head = lin([head])
         elif "lm_head.weight" in weights and not cfg.tie_word_embeddings:
             self.embed = w(embed)
@@ -360,8 +374,8 @@ class LlamaModel:
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
-        if self.lm_head is not self.embed:
-            n += self.lm_head.numel()
+        if self._lm_head is not self.embed:
+            n += self._lm_head.numel()
         return n + sum(layer.num_parameters() for layer in self.layers)
 
     def linears(self) -> list[tuple[str, object]]:
@@ -439,7 +453,10 @@ class LlamaModel:
 
     @property
     def lm_head(self) -> torch.Tensor:
-        """[V, hidden] output projection (the embedding when tied)."""
+        """[V, hidden] output projection (the embedding when tied). A quantized model keeps it
+        in the file's dtype, mapped; cast to the model's dtype here, once, when a drafter reads it."""
+        if self._lm_head.dtype != self.dtype:
+            self._lm_head = self._lm_head.to(self.dtype)
         return self._lm_head
 
     @lm_head.setter
@@ -490,7 +507,11 @@ class LlamaModel:
         """
         c, plan = self.cfg, plan_forward(self, tokens, cache, meta)
         B, T = tokens.shape
-        x = F.embedding(tokens, self.embed) if meta.inputs_embeds is None else meta.inputs_embeds
+        x = (
+            F.embedding(tokens, self.embed).to(self.dtype)
+            if meta.inputs_embeds is None
+            else meta.inputs_embeds
+        )
         x = x.reshape(B * T, c.hidden_size)
         aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
         for i, layer in enumerate(plan.layers):
@@ -534,7 +555,7 @@ def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache,
     if layer.hidden_norm_s is None:
         h = _rms_norm(x, layer.attn_norm_s, plan.d_eps, inv)
     else:  # EAGLE-3: the token's embedding beside the fed feature
-        e = F.embedding(tokens, model.embed).reshape(B * T, c.hidden_size)
+        e = F.embedding(tokens, model.embed).to(model.dtype).reshape(B * T, c.hidden_size)
         h = torch.cat(
             [
                 _rms_norm(e, layer.attn_norm_s, plan.d_eps, inv),
