@@ -49,7 +49,7 @@ test-real: models
 # it is free (the exactness suite alone is 9 minutes of one worker)
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n 2 --dist worksteal
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15
 
 # SmolLM2-135M's checks of a minute or more (bf16 ngram identity on 6 chats, the two-token
 # distribution and its negative control, the chat demo, auto): make test runs the others

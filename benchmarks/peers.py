@@ -249,14 +249,21 @@ def main() -> int:
     runners: dict[str, Callable[[dict], dict]] = {}
     n, k = args.max_new_tokens, args.k
     if "ours" in systems:
+        vocab = loaded.config.draft_vocab  # the draft's shipped head list (FR-Spec), or None
         gens = {
             "ours target-only": SpeculativeGenerator(target, batch_invariant=inv),
-            f"ours draft (k={k})": SpeculativeGenerator(target, draft=draft, k=k, batch_invariant=inv),
+            f"ours draft (k={k})": SpeculativeGenerator(
+                target, draft=draft, k=k, batch_invariant=inv, draft_vocab=vocab
+            ),
             f"ours suffix (k={k})": SpeculativeGenerator(target, method="suffix", k=k, batch_invariant=inv),
             f"ours auto (k={k})": SpeculativeGenerator(
-                target, draft=draft, method="auto", k=k, batch_invariant=inv
+                target, draft=draft, method="auto", k=k, batch_invariant=inv, draft_vocab=vocab
             ),
         }
+        if vocab not in (None, "full"):  # what the smaller head costs in acceptance and saves per step
+            gens[f"ours draft, whole head (k={k})"] = SpeculativeGenerator(
+                target, draft=draft, k=k, batch_invariant=inv
+            )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         runners.update({name: partial(run_ours, g, params, clear_process_caches) for name, g in gens.items()})
     if "transformers" in systems:

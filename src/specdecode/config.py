@@ -48,7 +48,8 @@ class SpecConfig:
     precision never changes the output, only its cost and its acceptance.
     draft_vocab (draft model, auto with one): its LM head over only the N most frequent tokens
     (FR-Spec): an int N (the N lowest token ids: a byte-level BPE numbers tokens in merge order,
-    roughly by frequency) or a JSON file of ids in frequency order; EOS tokens always kept."""
+    roughly by frequency) or a JSON file of ids in frequency order; EOS tokens always kept;
+    "full" or None: the whole vocabulary (open() then uses a known draft model's shipped list)."""
 
     method: str | None = None
     k: int = 4
@@ -91,7 +92,7 @@ class SpecConfig:
                 )
             if self.method is None:
                 raise SpecDecodeError("draft_dtype needs a drafting method; target-only decoding drafts none")
-        if self.draft_vocab is not None:
+        if self.draft_vocab not in (None, "full"):  # "full": the whole vocabulary, said explicitly
             v = self.draft_vocab
             if self.method not in ("draft", "auto"):
                 raise SpecDecodeError(

@@ -343,8 +343,15 @@ def run_pair_demo(
             fastest = load(PAIR_TARGET, dtype=s_dtype, quant=s_quant)
         gens[f"target-only ({solo})"] = SpeculativeGenerator(fastest, batch_invariant=invariant)
     for m in methods:
-        use_draft = draft if m in ("draft", "auto") else None
-        gens[m] = SpeculativeGenerator(target, draft=use_draft, k=k, method=m, batch_invariant=invariant)
+        drafts = m in ("draft", "auto")  # the draft model, with its head over the shipped vocabulary
+        gens[m] = SpeculativeGenerator(
+            target,
+            draft=draft if drafts else None,
+            k=k,
+            method=m,
+            batch_invariant=invariant,
+            draft_vocab=loaded.config.draft_vocab if drafts else None,
+        )
     forward = "batch-invariant" if invariant else "plain forward"
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)

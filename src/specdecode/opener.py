@@ -24,6 +24,7 @@ from .autotune import TARGET_CANDIDATES, Choice, Shapes, choose
 from .config import SpecConfig
 from .errors import SpecDecodeError
 from .formats import AUTO, FORMATS, check_format, weight_format
+from .models.draft_vocab import FULL, shipped_vocab, vocab_size
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "auto")  # methods whose drafter has weights of its own
 
@@ -86,6 +87,15 @@ def _pinned_draft(draft_dtype: str | None, target_format: str, lean: bool) -> st
     return target_format
 
 
+def _draft_vocab(value, draft: str | None, method: str | None):
+    """draft_vocab as the SpecConfig gets it: a known draft model's shipped list when none is
+    asked for (and its method drafts with it), else as given ("full": the whole vocabulary)."""
+    if value is None and draft and method in ("draft", "auto"):
+        shipped = shipped_vocab(draft)
+        return str(shipped) if shipped is not None and shipped.is_file() else None
+    return value
+
+
 def spec_fields(config: SpecConfig) -> dict:
     """A parsed SpecConfig's fields as open_models() keywords (the method, the draft's format and
     invariance are open_models' own arguments)."""
@@ -140,6 +150,7 @@ def open_models(
         raise SpecDecodeError(f"backend must be auto, lean or hf, got {backend!r}")
     dev = resolve_device(device)
     k = k if k is not None else SpecConfig.k
+    options["draft_vocab"] = _draft_vocab(options.get("draft_vocab"), draft, method)
     # validate the options before anything loads (SpecConfig's one-line errors)
     base = SpecConfig(method=method, k=k, **options)
     speculative = method is not None
@@ -149,6 +160,8 @@ def open_models(
     shapes = _lean_shapes(target, backend) if dev.type == "cpu" else None
     invariant = bool(shapes is not None) if batch_invariant is None else bool(batch_invariant)
     draft_shapes = _lean_shapes(draft, backend) if has_draft_model and shapes is not None else None
+    if draft_shapes is not None and base.draft_vocab not in (None, FULL):  # the head it will really run
+        draft_shapes = replace(draft_shapes, vocab=vocab_size(base.draft_vocab, draft_shapes.vocab))
     if (dtype == AUTO or (draft_auto and draft_shapes is not None)) and shapes is not None:
         choice = choose(
             shapes,

@@ -42,7 +42,7 @@ class DraftModelDrafter(Drafter):
                 f"the draft is on {draft.device} and the target on {target.device}; load both on one device"
             )
         self.model = draft
-        if draft_vocab is not None:
+        if draft_vocab not in (None, "full"):  # "full": the whole vocabulary
             from ..models.draft_vocab import ReducedHeadModel, frequent_ids
 
             if not draft.lean:

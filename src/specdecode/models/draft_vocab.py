@@ -26,6 +26,29 @@ from .base import ForwardMeta
 from .linear import Linear
 from .quant import QUANT_KINDS, linear_nbytes, quantized_linear
 
+VOCAB_DIR = Path(__file__).parent / "vocab"
+# draft models with a shipped frequency-ranked list, used by default (`draft_vocab="full"` opts
+# out): built by `specdecode draft-vocab` from the target's greedy answers to 640 prompts of
+# data/distill-prompts.jsonl (none of the benchmark sets); benchmarks/NOTES.md has its figures
+SHIPPED = {"qwen2.5-coder-0.5b": "qwen2.5-coder.json"}
+FULL = "full"  # draft_vocab value: the whole vocabulary
+
+
+def shipped_vocab(draft: str) -> Path | None:
+    """The shipped draft vocabulary of a known draft model, or None."""
+    name = SHIPPED.get(str(draft))
+    return None if name is None else VOCAB_DIR / name
+
+
+def vocab_size(value: int | str | Path, vocab: int) -> int:
+    """How many tokens a draft_vocab value keeps (a file: its ids; EOS ids aside)."""
+    if isinstance(value, int):
+        return min(value, vocab)
+    try:
+        return len(json.loads(Path(value).read_text()))
+    except (OSError, ValueError) as e:
+        raise SpecDecodeError(f"draft vocabulary {value}: not a JSON list of token ids ({e})") from None
+
 
 def frequent_ids(model, size: int | str | Path) -> torch.Tensor:
     """Sorted token ids of the draft vocabulary: the first `size` of a JSON file's ids, or the
@@ -86,7 +109,7 @@ class ReducedHeadModel:
         h = hidden
         if meta.logits_at is not None and T > 1:
             h = hidden[torch.arange(B, device=hidden.device), meta.logits_at].unsqueeze(1)
-        small = self._head(h.reshape(-1, h.shape[-1]))
+        small = self._head(h.reshape(-1, h.shape[-1]), invariant=getattr(cache, "invariant", False))
         full = small.new_full((small.shape[0], self.inner.vocab_size), float("-inf"))
         full.index_copy_(1, self.ids, small)
         return full.view(B, h.shape[1], -1), (hidden if meta.return_hidden else None)

@@ -1,0 +1,95 @@
+"""The frequency-ranked draft vocabulary (FR-Spec): `specdecode draft-vocab` ranks the tokens of
+the target's own answers, a known draft model gets its shipped list by default ("full" opts out),
+and a draft over the list keeps greedy output equal to target-only (its sampled distribution is
+checked in test_contract's draft_vocab rows)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.cli import main
+from specdecode.models import draft_vocab as dv
+from specdecode.opener import open_models
+from specdecode.train.draft_vocab import ranked, read_prompts
+
+
+def test_answers_rank_first_and_texts_order_what_answers_never_showed():
+    answers = Counter({5: 10, 7: 3, 9: 3})
+    texts = Counter({1: 1000, 7: 1, 2: 500})
+    ids = ranked(answers, texts)
+    assert ids[0] == 5  # the answers' most frequent token
+    assert ids.index(7) < ids.index(9)  # tied in the answers: the text count breaks it
+    assert ids.index(1) < ids.index(2)  # only in the texts: by their text count
+    assert ranked(answers, texts, size=2) == ids[:2]
+    assert ranked(Counter({4: 1, 3: 1})) == [3, 4]  # ties by id: reproducible
+
+
+def test_read_prompts_takes_text_and_messages_and_names_a_bad_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    assert read_prompts(f) == ["a", [{"role": "user", "content": "b"}]]
+    f.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(dv.SpecDecodeError, match=r"p.jsonl:2: needs"):
+        read_prompts(f)
+
+
+def _prompts(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["1 2 3", "4 5 6 7", "9 9", "3 1"]))
+    return f
+
+
+def test_draft_vocab_command_writes_the_answers_tokens_and_a_draft_over_them_stays_exact(
+    pair_dir, tmp_path, capsys
+):
+    target_dir, draft_dir = pair_dir
+    out = tmp_path / "vocab.json"
+    argv = ["draft-vocab", "--target", str(target_dir), "--prompts", str(_prompts(tmp_path))]
+    argv += ["--out", str(out), "--no-chat", "--max-new-tokens", "12", "--batch-size", "3", "--size", "24"]
+    assert main(argv) == 0
+    assert "wrote" in capsys.readouterr().err
+    ids = json.loads(out.read_text())
+    assert 2 <= len(ids) <= 24 and len(set(ids)) == len(ids) and all(0 <= i < 64 for i in ids)
+
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    loaded = open_models(str(target_dir), draft=str(draft_dir), k=3, draft_vocab=str(out), log=lambda s: None)
+    assert loaded.config.draft_vocab == str(out)
+    spec = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
+    assert spec.drafter.model.draft_vocab_size <= 24 + len(loaded.draft.eos_token_ids)
+    solo = SpeculativeGenerator(loaded.target, batch_invariant=True)
+    prompts = ["1 2 3", "8 8 8 8"]
+    assert [r.token_ids for r in spec.generate(prompts, params)] == [
+        r.token_ids for r in solo.generate(prompts, params)
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--size", "0"], "--size must be >= 1"), (["--prompts", "nowhere.jsonl"], "no such file")],
+)
+def test_draft_vocab_command_bad_input_is_one_line_and_exit_2(pair_dir, tmp_path, capsys, extra, message):
+    argv = ["draft-vocab", "--target", str(pair_dir[0]), "--prompts", str(_prompts(tmp_path))]
+    assert main([*argv, "--out", str(tmp_path / "v.json"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_a_known_draft_model_gets_its_shipped_list_unless_full_is_asked(pair_dir, tmp_path, monkeypatch):
+    target_dir, draft_dir = pair_dir
+    listed = tmp_path / "vocab" / "tiny.json"
+    listed.parent.mkdir()
+    listed.write_text(json.dumps(list(range(30))))
+    monkeypatch.setattr(dv, "VOCAB_DIR", listed.parent)
+    monkeypatch.setitem(dv.SHIPPED, str(draft_dir), "tiny.json")
+    quiet = {"log": lambda s: None, "dtype": "fp32"}
+    assert open_models(str(target_dir), draft=str(draft_dir), **quiet).config.draft_vocab == str(listed)
+    full = open_models(str(target_dir), draft=str(draft_dir), draft_vocab="full", **quiet)
+    gen = SpeculativeGenerator(full.target, draft=full.draft, config=full.config)
+    assert not hasattr(gen.drafter.model, "draft_vocab_size")  # the whole head
+    assert (
+        open_models(str(target_dir), draft=str(draft_dir), method="ngram", **quiet).config.draft_vocab is None
+    )
