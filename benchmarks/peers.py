@@ -84,6 +84,10 @@ def build_llama_cpp(dest: Path) -> Path:
             str(build),
             "-DCMAKE_BUILD_TYPE=Release",
             "-DGGML_NATIVE=ON",
+            # without AMX: its matmul faults on the AMX Xeon VMs here (general protection fault
+            # in ggml_backend_amx_mul_mat on any prompt of 2+ tokens; benchmarks/NOTES.md)
+            "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+            "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
             "-DLLAMA_CURL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_SERVER=OFF",
@@ -206,6 +210,11 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--dtype", default="auto", help="our target's format (default auto: measured)")
     ap.add_argument("--draft-dtype", default="auto", help="our draft's format (default auto)")
+    ap.add_argument(
+        "--draft-vocab",
+        type=lambda s: int(s) if s.isdigit() else s,
+        help="our draft's head list (N, FILE.json or a shipped name); adds a whole-head row",
+    )
     ap.add_argument("--hf-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--systems", default="ours,transformers,llama.cpp", help="comma-separated")
     ap.add_argument("--llama-bf16", action="store_true", help="also llama.cpp on BF16 copies of the GGUFs")
@@ -231,7 +240,12 @@ def main() -> int:
     dt = lambda name: getattr(torch, DTYPES[name])
     # ours: the library's one loading path with the CLI's defaults (formats measured, invariant)
     loaded = open_models(
-        PAIR_TARGET, draft=PAIR_DRAFT, k=args.k, dtype=args.dtype, draft_dtype=args.draft_dtype
+        PAIR_TARGET,
+        draft=PAIR_DRAFT,
+        k=args.k,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        draft_vocab=args.draft_vocab,
     )
     target, draft, inv = loaded.target, loaded.draft, loaded.config.batch_invariant
     t_dtype = f"{loaded.choice.target} + draft {loaded.choice.draft}"
@@ -249,7 +263,7 @@ def main() -> int:
     runners: dict[str, Callable[[dict], dict]] = {}
     n, k = args.max_new_tokens, args.k
     if "ours" in systems:
-        vocab = loaded.config.draft_vocab  # the draft's shipped head list (FR-Spec), or None
+        vocab = loaded.config.draft_vocab  # --draft-vocab (FR-Spec), or None: the whole head
         gens = {
             "ours target-only": SpeculativeGenerator(target, batch_invariant=inv),
             f"ours draft (k={k})": SpeculativeGenerator(

@@ -78,18 +78,25 @@ def test_draft_vocab_command_bad_input_is_one_line_and_exit_2(pair_dir, tmp_path
     assert len(err) == 1 and message in err[0]
 
 
-def test_a_known_draft_model_gets_its_shipped_list_unless_full_is_asked(pair_dir, tmp_path, monkeypatch):
+def test_a_shipped_list_is_used_by_name_and_the_whole_head_is_the_default(pair_dir, tmp_path, monkeypatch):
     target_dir, draft_dir = pair_dir
     listed = tmp_path / "vocab" / "tiny.json"
     listed.parent.mkdir()
     listed.write_text(json.dumps(list(range(30))))
     monkeypatch.setattr(dv, "VOCAB_DIR", listed.parent)
-    monkeypatch.setitem(dv.SHIPPED, str(draft_dir), "tiny.json")
+    monkeypatch.setattr(dv, "SHIPPED", ("tiny",))
     quiet = {"log": lambda s: None, "dtype": "fp32"}
-    assert open_models(str(target_dir), draft=str(draft_dir), **quiet).config.draft_vocab == str(listed)
-    full = open_models(str(target_dir), draft=str(draft_dir), draft_vocab="full", **quiet)
-    gen = SpeculativeGenerator(full.target, draft=full.draft, config=full.config)
-    assert not hasattr(gen.drafter.model, "draft_vocab_size")  # the whole head
-    assert (
-        open_models(str(target_dir), draft=str(draft_dir), method="ngram", **quiet).config.draft_vocab is None
-    )
+    named = open_models(str(target_dir), draft=str(draft_dir), draft_vocab="tiny", **quiet)
+    gen = SpeculativeGenerator(named.target, draft=named.draft, config=named.config)
+    assert gen.drafter.model.draft_vocab_size == 30 + sum(i >= 30 for i in named.draft.eos_token_ids)
+    for default in ({}, {"draft_vocab": "full"}):
+        loaded = open_models(str(target_dir), draft=str(draft_dir), **default, **quiet)
+        gen = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
+        assert not hasattr(gen.drafter.model, "draft_vocab_size")  # the whole head
+    with pytest.raises(dv.SpecDecodeError, match="shipped lists: tiny"):
+        open_models(str(target_dir), draft=str(draft_dir), draft_vocab="nope.json", **quiet)
+
+
+def test_the_shipped_list_is_a_ranked_list_of_distinct_qwen_ids():
+    ids = json.loads((dv.VOCAB_DIR / "qwen2.5-coder.json").read_text())
+    assert len(ids) == 32768 == len(set(ids)) and all(0 <= i < 151936 for i in ids)

@@ -49,7 +49,8 @@ class SpecConfig:
     draft_vocab (draft model, auto with one): its LM head over only the N most frequent tokens
     (FR-Spec): an int N (the N lowest token ids: a byte-level BPE numbers tokens in merge order,
     roughly by frequency) or a JSON file of ids in frequency order; EOS tokens always kept;
-    "full" or None: the whole vocabulary (open() then uses a known draft model's shipped list)."""
+    a shipped list's name (models/draft_vocab.py: SHIPPED, e.g. "qwen2.5-coder"); "full" or None:
+    the whole vocabulary."""
 
     method: str | None = None
     k: int = 4

@@ -343,7 +343,7 @@ def run_pair_demo(
             fastest = load(PAIR_TARGET, dtype=s_dtype, quant=s_quant)
         gens[f"target-only ({solo})"] = SpeculativeGenerator(fastest, batch_invariant=invariant)
     for m in methods:
-        drafts = m in ("draft", "auto")  # the draft model, with its head over the shipped vocabulary
+        drafts = m in ("draft", "auto")  # the draft model (its head as open_models configured it)
         gens[m] = SpeculativeGenerator(
             target,
             draft=draft if drafts else None,

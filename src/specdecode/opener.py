@@ -24,7 +24,7 @@ from .autotune import TARGET_CANDIDATES, Choice, Shapes, choose
 from .config import SpecConfig
 from .errors import SpecDecodeError
 from .formats import AUTO, FORMATS, check_format, weight_format
-from .models.draft_vocab import FULL, shipped_vocab, vocab_size
+from .models.draft_vocab import FULL, vocab_size
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "auto")  # methods whose drafter has weights of its own
 
@@ -87,15 +87,6 @@ def _pinned_draft(draft_dtype: str | None, target_format: str, lean: bool) -> st
     return target_format
 
 
-def _draft_vocab(value, draft: str | None, method: str | None):
-    """draft_vocab as the SpecConfig gets it: a known draft model's shipped list when none is
-    asked for (and its method drafts with it), else as given ("full": the whole vocabulary)."""
-    if value is None and draft and method in ("draft", "auto"):
-        shipped = shipped_vocab(draft)
-        return str(shipped) if shipped is not None and shipped.is_file() else None
-    return value
-
-
 def spec_fields(config: SpecConfig) -> dict:
     """A parsed SpecConfig's fields as open_models() keywords (the method, the draft's format and
     invariance are open_models' own arguments)."""
@@ -150,7 +141,6 @@ def open_models(
         raise SpecDecodeError(f"backend must be auto, lean or hf, got {backend!r}")
     dev = resolve_device(device)
     k = k if k is not None else SpecConfig.k
-    options["draft_vocab"] = _draft_vocab(options.get("draft_vocab"), draft, method)
     # validate the options before anything loads (SpecConfig's one-line errors)
     base = SpecConfig(method=method, k=k, **options)
     speculative = method is not None

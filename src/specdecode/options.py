@@ -122,9 +122,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "draft_vocab",
         "draft model / auto: its LM head over only the N most frequent tokens (FR-Spec; N lowest token "
-        "ids, or a JSON file of ids in frequency order, made by `specdecode draft-vocab`): a cheaper "
-        "draft, a little less acceptance; never changes the output. 'full': the whole vocabulary "
-        "(default: the list shipped for a known draft model, qwen2.5-coder-0.5b; else full)",
+        "ids, a JSON file of ids in frequency order made by `specdecode draft-vocab`, or a shipped "
+        "list by name: qwen2.5-coder, 32,768 tokens): a cheaper draft step, a little less acceptance; "
+        "never changes the output (default: full, the whole vocabulary)",
         type=lambda s: int(s) if s.isdigit() else s,
         metavar="N|FILE.json",
     ),

@@ -27,27 +27,36 @@ from .linear import Linear
 from .quant import QUANT_KINDS, linear_nbytes, quantized_linear
 
 VOCAB_DIR = Path(__file__).parent / "vocab"
-# draft models with a shipped frequency-ranked list, used by default (`draft_vocab="full"` opts
-# out): built by `specdecode draft-vocab` from the target's greedy answers to 640 prompts of
-# data/distill-prompts.jsonl (none of the benchmark sets); benchmarks/NOTES.md has its figures
-SHIPPED = {"qwen2.5-coder-0.5b": "qwen2.5-coder.json"}
-FULL = "full"  # draft_vocab value: the whole vocabulary
+# shipped frequency-ranked lists, usable by name (`--draft-vocab qwen2.5-coder`): built by
+# `specdecode draft-vocab` from the 1.5B's greedy answers to 640 prompts of
+# data/distill-prompts.jsonl (none of the benchmark sets). Not a default: on the machines
+# measured it changed the pair's speed by -5% to +4% (benchmarks/NOTES.md, issue 35)
+SHIPPED = ("qwen2.5-coder",)
+FULL = "full"  # draft_vocab value: the whole vocabulary (the default)
 
 
-def shipped_vocab(draft: str) -> Path | None:
-    """The shipped draft vocabulary of a known draft model, or None."""
-    name = SHIPPED.get(str(draft))
-    return None if name is None else VOCAB_DIR / name
+def vocab_path(value: str | Path) -> Path:
+    """A draft_vocab file: a shipped list's name or a path."""
+    if str(value) in SHIPPED:
+        return VOCAB_DIR / f"{value}.json"
+    return Path(value)
 
 
 def vocab_size(value: int | str | Path, vocab: int) -> int:
     """How many tokens a draft_vocab value keeps (a file: its ids; EOS ids aside)."""
     if isinstance(value, int):
         return min(value, vocab)
+    return len(_read_ids(vocab_path(value)))
+
+
+def _read_ids(path: Path) -> list[int]:
     try:
-        return len(json.loads(Path(value).read_text()))
-    except (OSError, ValueError) as e:
-        raise SpecDecodeError(f"draft vocabulary {value}: not a JSON list of token ids ({e})") from None
+        return [int(i) for i in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError) as e:
+        raise SpecDecodeError(
+            f"draft vocabulary {path}: not a JSON list of token ids ({e}); "
+            f"shipped lists: {', '.join(SHIPPED)}"
+        ) from None
 
 
 def frequent_ids(model, size: int | str | Path) -> torch.Tensor:
@@ -55,11 +64,7 @@ def frequent_ids(model, size: int | str | Path) -> torch.Tensor:
     `size` lowest ids; plus the model's EOS / end-of-turn ids."""
     V = model.vocab_size
     if isinstance(size, (str, Path)):
-        path = Path(size)
-        try:
-            ids = [int(i) for i in json.loads(path.read_text())]
-        except (OSError, ValueError, TypeError) as e:
-            raise SpecDecodeError(f"draft vocabulary {path}: not a JSON list of token ids ({e})") from None
+        ids = _read_ids(vocab_path(size))
     else:
         if not isinstance(size, int) or size < 2:
             raise SpecDecodeError(f"draft_vocab must be an integer >= 2 or a JSON file, got {size!r}")
