@@ -12,7 +12,6 @@ from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.models.base import logits_of
 from specdecode.models.init import init_model
 
-RUNS = 60_000
 PROMPT = [5, 7, 2]
 
 

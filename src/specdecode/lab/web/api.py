@@ -1,7 +1,7 @@
 """The web lab's JSON and SSE API: each widget asks the real engine and models for its numbers.
 
 Every function here takes a validated request and returns a plain dict (or, for live
-generation, an iterator of dicts); the routes in `routes.py` only translate. Models and
+generation, an iterator of dicts); the routes in `web/__init__.py` only translate. Models and
 generators are loaded once and kept; a lock runs one computation at a time, because the lab
 shares two CPU cores with whatever else the machine (or `specdecode serve`) is doing."""
 
