@@ -11,7 +11,9 @@ Systems (each reported as tokens/s and speed-up over its own target-only):
 - transformers: generate, assisted generation with the 0.5B draft (k, constant schedule),
   prompt lookup (k), on our converted checkpoints in --hf-dtype;
 - llama.cpp (built from llama-cpp-python==0.3.36's vendored sources, CMake Release, native
-  flags): `llama-simple` (target-only), `llama-speculative-simple -md <draft>` and
+  flags): `llama-completion` (target-only; not `llama-simple`, which takes no thread count and
+  ran 9-10 tok/s on 2 cores against llama-completion's 14.3 and llama-bench's 14.8),
+  `llama-speculative-simple -md <draft>` and
   `llama-lookup`, on the GGUF files themselves (Q4_K_M) and, with --llama-bf16, on BF16 copies
   made by `llama-quantize --allow-requantize`;
 - OpenVINO GenAI is not run: `openvino-genai` needs models exported by optimum-intel, which
@@ -42,7 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 LLAMA_CPP_VERSION = "0.3.36"
-LLAMA_TOOLS = ("llama-simple", "llama-speculative-simple", "llama-lookup", "llama-quantize", "llama-bench")
+LLAMA_TOOLS = (
+    "llama-completion",
+    "llama-speculative-simple",
+    "llama-lookup",
+    "llama-quantize",
+    "llama-bench",
+)
 THREADS = 2
 
 
@@ -112,17 +120,20 @@ def build_llama_cpp(dest: Path) -> Path:
 
 
 _SPEED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+s")
+# llama-completion: "eval time = 4399.51 ms / 63 runs" (the decoded tokens after the first)
+_EVAL = re.compile(r"\beval time =\s+([\d.]+) ms /\s+(\d+) runs")
 _ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
 _DRAFTED = re.compile(r"n_draft(?:ed)?\s*=\s*(\d+)")
 
 
 def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int, draft: Path | None) -> dict:
-    """One llama.cpp run; tokens and seconds from its own 'decoded N tokens in S s' line."""
-    args = [str(bin_dir / tool), "-m", str(model), "-n", str(n)]
-    if tool == "llama-simple":
-        args += [prompt]
+    """One llama.cpp run; tokens and seconds of decoding (after the prompt) from its own lines:
+    'decoded N tokens in S s' (lookup, speculative) or 'eval time = MS ms / N runs' (completion)."""
+    args = [str(bin_dir / tool), "-m", str(model), "-n", str(n), "-p", prompt]
+    args += ["-t", str(THREADS), "-tb", str(THREADS), "--temp", "0", "-c", "4096"]
+    if tool == "llama-completion":
+        args += ["-no-cnv", "--no-display-prompt", "--ignore-eos"]
     else:
-        args += ["-p", prompt, "-t", str(THREADS), "-tb", str(THREADS), "--temp", "0", "-c", "4096"]
         if tool == "llama-speculative-simple":
             args += [
                 "-md",
@@ -140,7 +151,10 @@ def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
     wall = time.perf_counter() - t0
     log = done.stdout + done.stderr
-    m = _SPEED.findall(log)
+    if tool == "llama-completion":
+        m = [(runs, float(ms) / 1e3) for ms, runs in _EVAL.findall(log)]
+    else:
+        m = _SPEED.findall(log)
     if done.returncode != 0 or not m:
         raise RuntimeError(f"{tool} failed ({done.returncode}): {log[-800:]}")
     tokens, secs = int(m[-1][0]), float(m[-1][1])
@@ -157,7 +171,8 @@ def run_ours(gen, params, clear_caches, w: dict) -> dict:
     st = r.stats
     return {
         "tokens": len(r.token_ids),
-        "seconds": st.wall_s,
+        "seconds": st.wall_s - st.prefill_s,  # decoding, as llama.cpp's tools report it
+        "prefill_s": st.prefill_s,
         "acceptance": st.acceptance_rate,
         "tau": st.tokens_per_forward,
         "draft_s": st.draft_s,
@@ -294,7 +309,7 @@ def main() -> int:
         runners.update({name: partial(run_transformers, r, n) for name, r in hf_runners.items()})
     if "llama.cpp" in systems:
         bin_dir = llama_dir / "build" / "bin"
-        if not (bin_dir / "llama-simple").exists():
+        if not (bin_dir / "llama-completion").exists():
             print("llama.cpp is not built: run with --build-llama-cpp first; skipped", file=sys.stderr)
         else:
             files = {"Q4_K_M": (ZOO[PAIR_TARGET].gguf_path(), ZOO[PAIR_DRAFT].gguf_path())}
@@ -302,7 +317,7 @@ def main() -> int:
                 files["BF16"] = tuple(_bf16_copy(bin_dir, p, llama_dir) for p in files["Q4_K_M"])
             for prec, (tm, dm) in files.items():
                 for label, tool, d in (
-                    ("plain", "llama-simple", None),
+                    ("plain", "llama-completion", None),
                     (f"draft (k={k})", "llama-speculative-simple", dm),
                     (f"lookup (k={k})", "llama-lookup", None),
                 ):
