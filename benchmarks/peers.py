@@ -263,7 +263,7 @@ def main() -> int:
         draft_vocab=args.draft_vocab,
     )
     target, draft, inv = loaded.target, loaded.draft, loaded.config.batch_invariant
-    t_dtype = f"{loaded.choice.target} + draft {loaded.choice.draft}"
+    t_dtype = f"{loaded.choice.target} + draft {loaded.choice.draft}, draft policy {loaded.config.policy}"
     tok = target.tokenizer
     work = prompts(args.limit)
     for w in work:
@@ -279,19 +279,20 @@ def main() -> int:
     n, k = args.max_new_tokens, args.k
     if "ours" in systems:
         vocab = loaded.config.draft_vocab  # --draft-vocab (FR-Spec), or None: the whole head
+        policy = loaded.config.policy  # the library's default for a draft model (confidence)
         gens = {
             "ours target-only": SpeculativeGenerator(target, batch_invariant=inv),
             f"ours draft (k={k})": SpeculativeGenerator(
-                target, draft=draft, k=k, batch_invariant=inv, draft_vocab=vocab
+                target, draft=draft, k=k, batch_invariant=inv, draft_vocab=vocab, policy=policy
             ),
             f"ours suffix (k={k})": SpeculativeGenerator(target, method="suffix", k=k, batch_invariant=inv),
             f"ours auto (k={k})": SpeculativeGenerator(
-                target, draft=draft, method="auto", k=k, batch_invariant=inv, draft_vocab=vocab
+                target, draft=draft, method="auto", k=k, batch_invariant=inv, draft_vocab=vocab, policy=policy
             ),
         }
         if vocab not in (None, "full"):  # what the smaller head costs in acceptance and saves per step
             gens[f"ours draft, whole head (k={k})"] = SpeculativeGenerator(
-                target, draft=draft, k=k, batch_invariant=inv
+                target, draft=draft, k=k, batch_invariant=inv, policy=policy
             )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         runners.update({name: partial(run_ours, g, params, clear_process_caches) for name, g in gens.items()})

@@ -145,3 +145,25 @@ def test_generate_json_reports_the_auto_choice_and_models_calibrate_prints_the_t
     assert main(["models", "--calibrate", "--target", str(target_dir), "--k", "2"]) == 0
     text = capsys.readouterr().out
     assert "<- chosen" in text and "T(3) ms" in text
+
+
+def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pair_dir, cache):
+    """open_models' default draft-length policy: confidence with a draft model (measured faster
+    on the Qwen pair), fixed for model-free methods; a given policy is kept, and generate passes
+    none unless --policy is on its command line."""
+    from specdecode.cli import build_parser
+    from specdecode.opener import spec_fields
+    from specdecode.options import spec_config
+
+    target_dir, draft_dir = pair_dir
+    quiet = {"log": lambda line: None, "dtype": "fp32"}
+    assert open_models(str(target_dir), draft=str(draft_dir), **quiet).config.policy == "confidence"
+    auto = open_models(str(target_dir), draft=str(draft_dir), method="auto", **quiet)
+    assert auto.config.policy == "confidence"
+    assert open_models(str(target_dir), method="ngram", **quiet).config.policy == "fixed"
+    pinned = open_models(str(target_dir), draft=str(draft_dir), policy="heuristic", **quiet)
+    assert pinned.config.policy == "heuristic"
+    for argv, kept in (([], False), (["--policy", "fixed"], True)):
+        args = build_parser().parse_args(["generate", "--target", "t", "--prompt", "x", *argv])
+        fields = spec_fields(spec_config(args), keep_default_policy=args.policy is None)
+        assert ("policy" in fields) is kept

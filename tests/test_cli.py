@@ -141,7 +141,8 @@ def test_trace_writes_one_line_per_round_with_contract_fields(dirs, tmp_path, ca
             dirs["t"],
             *"--draft".split(),
             dirs["d"],
-            *"--prompt ab --seed 3 --max-new-tokens 20 --json --ignore-eos --trace".split(),
+            # fixed k: every round drafts 4 (generate's default with a draft model is confidence)
+            *"--policy fixed --prompt ab --seed 3 --max-new-tokens 20 --json --ignore-eos --trace".split(),
             str(trace),
         ],
         capsys,

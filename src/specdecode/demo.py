@@ -351,6 +351,7 @@ def run_pair_demo(
             method=m,
             batch_invariant=invariant,
             draft_vocab=loaded.config.draft_vocab if drafts else None,
+            policy=loaded.config.policy if drafts else "fixed",  # confidence (opener.default_policy)
         )
     forward = "batch-invariant" if invariant else "plain forward"
     chats = [[{"role": "user", "content": p}] for p in prompts]

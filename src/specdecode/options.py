@@ -72,7 +72,9 @@ OPTIONS: tuple[Option, ...] = (
         "policy",
         "draft-length policy: fixed (k every round), heuristic (+2 after a fully accepted round, -1 "
         "otherwise), confidence (stop drafting when the draft's probability of its token < "
-        "--confidence-threshold), optimal (k from Theorem 3.8 with measured acceptance and cost)",
+        "--confidence-threshold), optimal (k from Theorem 3.8 with measured acceptance and cost); "
+        "default: confidence with a draft model in generate and specdecode.open (measured faster), "
+        "else fixed",
         choices=POLICIES,
     ),
     Option("confidence_threshold", "for --policy confidence (default %(default)s)", float),

@@ -33,7 +33,7 @@ def register(sub) -> None:
     )
     g.add_argument("--target", required=True, metavar="MODEL", help="bundled name or Hugging Face model dir")
     g.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
-    add_spec_flags(g)
+    add_spec_flags(g, policy=None)  # None: open_models' default for the drafter (opener.default_policy)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
@@ -114,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
         backend=args.backend,
         device=args.device,
         batch_invariant=args.batch_invariant,
-        **spec_fields(config),
+        **spec_fields(config, keep_default_policy=args.policy is None),
     )
     target, draft = loaded.target, loaded.draft
     config = replace(loaded.config, cost_model=cost_model)
