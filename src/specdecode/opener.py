@@ -100,7 +100,7 @@ def spec_fields(config: SpecConfig, keep_default_policy: bool = False) -> dict:
 def default_policy(method: str | None, has_draft_model: bool) -> str:
     """The draft-length policy when none is given: confidence for a draft model (draft, auto:
     stop drafting once the draft's own probability of its token falls below the threshold;
-    measured on the Qwen pair, +8-13% tokens/s over fixed k on code, HumanEval and Spec-Bench,
+    measured on the Qwen pair, +3-13% tokens/s over fixed k on code, HumanEval and Spec-Bench,
     benchmarks/NOTES.md issue 35), fixed k otherwise."""
     return "confidence" if has_draft_model and method in ("draft", "auto") else "fixed"
 
