@@ -63,7 +63,7 @@ def read_prompts(path: str | Path) -> list:
             out.append([int(t) for t in item["token_ids"]])
         else:
             raise SpecDecodeError(
-                f'{path}:{n}: expected {{"prompt": ...}}, {{"messages": ...}} or {{"turns": ...}}'
+                f'{path}:{n}: needs {{"prompt": ...}}, {{"messages": ...}} or {{"turns": ...}}'
             )
     if not out:
         raise SpecDecodeError(f"{path} holds no prompts")

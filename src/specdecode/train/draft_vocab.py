@@ -25,24 +25,11 @@ from ..errors import SpecDecodeError
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list:
-    """A JSONL prompt file: {"prompt": text} or {"messages": [...]} per line."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecDecodeError(f"{path}:{n}: not JSON ({e.msg})") from None
-        if "messages" in row:
-            out.append(row["messages"])
-        elif "prompt" in row:
-            out.append(row["prompt"])
-        else:
-            raise SpecDecodeError(f'{path}:{n}: needs "prompt" or "messages"')
-        if limit is not None and len(out) >= limit:
-            break
-    return out
+    """The first `limit` prompts of a JSONL file (distill-data's format: {"prompt": text},
+    {"messages": [...]}, ...)."""
+    from .distill import read_prompts as read_all
+
+    return read_all(path)[:limit]
 
 
 def answer_counts(
@@ -94,12 +81,6 @@ def ranked(answers: Counter, texts: Counter | None = None, size: int | None = No
     score = {i: answers[i] / a + TEXT_WEIGHT * texts[i] / t for i in set(answers) | set(texts)}
     ids = sorted(score, key=lambda i: (-score[i], i))
     return ids if size is None else ids[:size]
-
-
-def coverage(ids: Iterable[int], tokens: Iterable[int]) -> float:
-    """The share of `tokens` that are in `ids`."""
-    keep, tokens = set(ids), list(tokens)
-    return sum(t in keep for t in tokens) / max(len(tokens), 1)
 
 
 def build(
