@@ -149,7 +149,7 @@ def test_generate_json_reports_the_auto_choice_and_models_calibrate_prints_the_t
 
 def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pair_dir, cache):
     """open_models' default draft-length policy: confidence with a draft model (measured faster
-    on the Qwen pair), fixed for model-free methods; a given policy is kept, and generate passes
+    on the Qwen pair), fixed for model-free methods and token trees; a given policy is kept, and generate passes
     none unless --policy is on its command line."""
     from specdecode.cli import build_parser
     from specdecode.opener import spec_fields
@@ -161,6 +161,8 @@ def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pai
     auto = open_models(str(target_dir), draft=str(draft_dir), method="auto", **quiet)
     assert auto.config.policy == "confidence"
     assert open_models(str(target_dir), method="ngram", **quiet).config.policy == "fixed"
+    tree = open_models(str(target_dir), draft=str(draft_dir), tree="2,1", **quiet)  # a tree's shape is fixed
+    assert tree.config.policy == "fixed"
     pinned = open_models(str(target_dir), draft=str(draft_dir), policy="heuristic", **quiet)
     assert pinned.config.policy == "heuristic"
     for argv, kept in (([], False), (["--policy", "fixed"], True)):

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from .errors import SpecDecodeError
 
 AUTO = "auto"
+# which runtime runs a model: our lean runtime (Llama, Qwen2, Qwen3), transformers, OpenVINO's
+# CPU plugin (models/openvino.py); auto: lean where it can, else transformers
+BACKENDS = ("auto", "lean", "hf", "openvino")
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,9 @@ class WeightFormat:
     """name: the short name; activations: the torch dtype name the rows run in; quant: the
     quantization models.load applies (None: float weights as converted); gguf: keeps an installed
     GGUF's own quantized blocks (zoo models only, targets only); bytes_per_weight: what one weight
-    costs to read, scales included; draft: a drafter's weights may run so (quantized at build)."""
+    costs to read, scales included; draft: a drafter's weights may run so (quantized at build);
+    openvino: the OpenVINO engine runs it (models/openvino.py: float constants, or int8 per row /
+    int4 per group, symmetric, in OpenVINO's compressed form)."""
 
     name: str
     activations: str
@@ -30,6 +35,7 @@ class WeightFormat:
     help: str
     gguf: bool = False
     draft: bool = True
+    openvino: bool = True
 
 
 FORMATS: dict[str, WeightFormat] = {
@@ -42,9 +48,11 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("int4", "bfloat16", "int4", 0.5 + 4 / 32, "4-bit weights in groups of 32"),
         WeightFormat("int4-g128", "bfloat16", "int4-g128", 0.5 + 4 / 128, "4-bit weights in groups of 128"),
         # its GEMM takes float32 rows and quantizes each to int8 itself (models/quant.py)
-        WeightFormat("w8a8", "float32", "w8a8", 1, "int8 weights x int8 activations per row (FBGEMM)"),
-        WeightFormat("q4_k", "bfloat16", "q4_k", 0.5 + 12 / 256, "a GGUF's Q4_K blocks kept", True, False),
-        WeightFormat("q8_0", "bfloat16", "q8_0", 1 + 2 / 32, "a GGUF's Q8_0 blocks kept", True, False),
+        WeightFormat(
+            "w8a8", "float32", "w8a8", 1, "int8 weights x int8 activations per row (FBGEMM)", openvino=False
+        ),
+        WeightFormat("q4_k", "bfloat16", "q4_k", 0.5 + 12 / 256, "a GGUF's Q4_K blocks", True, False, False),
+        WeightFormat("q8_0", "bfloat16", "q8_0", 1 + 2 / 32, "a GGUF's Q8_0 blocks", True, False, False),
     )
 }
 FLOAT_FORMATS = tuple(n for n, f in FORMATS.items() if f.quant is None)  # fp32, bf16, fp16
@@ -52,6 +60,7 @@ QUANT_FORMATS = tuple(n for n, f in FORMATS.items() if f.quant is not None and n
 GGUF_FORMATS = tuple(n for n, f in FORMATS.items() if f.gguf)
 WEIGHT_FORMATS = tuple(FORMATS)
 DRAFT_FORMATS = tuple(n for n, f in FORMATS.items() if f.draft)
+OPENVINO_FORMATS = tuple(n for n, f in FORMATS.items() if f.openvino)
 DTYPES = {n: FORMATS[n].activations for n in FLOAT_FORMATS}  # short name -> torch dtype name
 
 
@@ -73,6 +82,18 @@ def torch_dtype(name: str):
     if name not in DTYPES:
         raise SpecDecodeError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return getattr(torch, DTYPES[name])
+
+
+def format_name(dtype, quant: str | None) -> str:
+    """The format name of what load() takes: the quantization, else the float dtype's short name."""
+    import torch
+
+    if quant is not None:
+        return quant
+    names = {getattr(torch, a): n for n, a in DTYPES.items()}
+    if dtype not in names:
+        raise SpecDecodeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    return names[dtype]
 
 
 def weight_format(name: str):

@@ -23,7 +23,7 @@ from typing import Any
 from .autotune import TARGET_CANDIDATES, Choice, Shapes, choose
 from .config import SpecConfig
 from .errors import SpecDecodeError
-from .formats import AUTO, FORMATS, check_format, weight_format
+from .formats import AUTO, BACKENDS, FORMATS, check_format, weight_format
 from .models.draft_vocab import FULL, vocab_size
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "auto")  # methods whose drafter has weights of its own
@@ -60,7 +60,7 @@ def _lean_shapes(name: str, backend: str) -> Shapes | None:
     from .models import resolve
     from .models.llama import LlamaConfig
 
-    if backend == "hf":
+    if backend in ("hf", "openvino"):
         return None
     path = resolve(name, torch.bfloat16)
     try:
@@ -77,14 +77,47 @@ def _kernel_of(fmt: str) -> str:
     return {"q4_k": "int4", "q8_0": "int8"}.get(fmt, fmt)
 
 
-def _pinned_draft(draft_dtype: str | None, target_format: str, lean: bool) -> str:
+def _pinned_draft(draft_dtype: str | None, target_format: str, lean: bool, backend: str = "auto") -> str:
     """A draft model's format when it is not measured: as asked, else the target's (as a draft can
-    run it: a GGUF's blocks belong to the target; transformers runs float formats only)."""
+    run it: a GGUF's blocks belong to the target; transformers runs float formats only; OpenVINO
+    runs the target's format)."""
     if draft_dtype not in (None, AUTO):
         return draft_dtype
+    if backend == "openvino":
+        return target_format
     if FORMATS[target_format].gguf or (not lean and FORMATS[target_format].quant is not None):
         return "bf16" if lean else "fp32"
     return target_format
+
+
+def _check_openvino(dtype: str, draft_dtype: str | None, batch_invariant: bool | None) -> None:
+    """One line before anything loads when the openvino backend cannot do what was asked."""
+    from .formats import OPENVINO_FORMATS
+
+    if batch_invariant:
+        raise SpecDecodeError(
+            "batch invariance needs our lean runtime: drop --batch-invariant or --backend openvino"
+        )
+    for fmt in (dtype, draft_dtype):
+        if fmt not in (None, AUTO) and fmt not in OPENVINO_FORMATS:
+            raise SpecDecodeError(
+                f"the openvino backend runs {', '.join(OPENVINO_FORMATS)}, not {fmt!r} "
+                "(for w8a8 use int8: OpenVINO quantizes the activations itself)"
+            )
+
+
+def _unmeasured_default(backend: str, device: str, target: str) -> str:
+    """The target's format under dtype='auto' where nothing is measured: OpenVINO's 4-bit groups
+    (models/openvino.default_format: int4-g128 where the widths allow), bf16 on a GPU, fp32
+    otherwise."""
+    if backend == "openvino":
+        import torch
+
+        from .models import resolve
+        from .models.openvino import default_format
+
+        return default_format(resolve(target, torch.bfloat16))
+    return "bf16" if device == "cuda" else "fp32"
 
 
 def spec_fields(config: SpecConfig, keep_default_policy: bool = False) -> dict:
@@ -97,12 +130,13 @@ def spec_fields(config: SpecConfig, keep_default_policy: bool = False) -> dict:
     return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
 
 
-def default_policy(method: str | None, has_draft_model: bool) -> str:
-    """The draft-length policy when none is given: confidence for a draft model (draft, auto:
+def default_policy(method: str | None, has_draft_model: bool, tree: bool = False) -> str:
+    """The draft-length policy when none is given: fixed for a token tree (its shape is fixed);
+    confidence for a draft model (draft, auto:
     stop drafting once the draft's own probability of its token falls below the threshold;
     measured on the Qwen pair, +3-13% tokens/s over fixed k on code, HumanEval and Spec-Bench,
     benchmarks/NOTES.md issue 35), fixed k otherwise."""
-    return "confidence" if has_draft_model and method in ("draft", "auto") else "fixed"
+    return "confidence" if has_draft_model and method in ("draft", "auto") and not tree else "fixed"
 
 
 @dataclass
@@ -146,12 +180,14 @@ def open_models(
     asked = dtype
     dtype = check_format(dtype or default_dtype(target), "dtype")
     check_draft_dtype(draft_dtype, draft, method)
-    if backend not in ("auto", "lean", "hf"):
-        raise SpecDecodeError(f"backend must be auto, lean or hf, got {backend!r}")
+    if backend not in BACKENDS:
+        raise SpecDecodeError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     dev = resolve_device(device)
+    if backend == "openvino":
+        _check_openvino(dtype, draft_dtype, batch_invariant)
     k = k if k is not None else SpecConfig.k
     if options.get("policy") is None:
-        options["policy"] = default_policy(method, draft is not None)
+        options["policy"] = default_policy(method, draft is not None, options.get("tree") is not None)
     # validate the options before anything loads (SpecConfig's one-line errors)
     base = SpecConfig(method=method, k=k, **options)
     speculative = method is not None
@@ -180,11 +216,11 @@ def open_models(
         if has_draft_model and not (draft_auto and draft_shapes is not None):
             choice.draft = _pinned_draft(draft_dtype, choice.target, draft_shapes is not None)
     else:  # nothing to measure: a pinned format, another backend or device
-        t = dtype if dtype != AUTO else ("bf16" if dev.type == "cuda" else "fp32")
-        d = _pinned_draft(draft_dtype, t, draft_shapes is not None) if has_draft_model else None
+        t = dtype if dtype != AUTO else _unmeasured_default(backend, dev.type, target)
+        d = _pinned_draft(draft_dtype, t, draft_shapes is not None, backend) if has_draft_model else None
         choice = Choice(t, d, base.k, invariant, "pinned" if asked not in (None, AUTO) else "default")
-    if dtype == AUTO or draft_auto:
-        log(choice.line())
+    if dtype == AUTO or draft_auto or backend == "openvino":
+        log(choice.line() + ("; OpenVINO's CPU plugin" if backend == "openvino" else ""))
 
     t_dtype, t_quant = weight_format(choice.target)
     resolve(target, t_dtype if t_quant is None else torch.bfloat16)

@@ -17,6 +17,7 @@ from .errors import SpecDecodeError
 
 # the weight formats live in one table (formats.py); re-exported here for the flags
 from .formats import (  # noqa: F401
+    BACKENDS,
     DTYPES,
     GGUF_FORMATS,
     QUANT_FORMATS,
@@ -152,8 +153,10 @@ def add_format_flags(parser, invariant_help: str | None = None) -> None:
     parser.add_argument(
         "--backend",
         default="auto",
-        choices=("auto", "lean", "hf"),
-        help="model runtime: our lean runtime (Llama, Qwen2, Qwen3), transformers, or auto (default)",
+        choices=BACKENDS,
+        help="model runtime: our lean runtime (Llama, Qwen2, Qwen3), transformers (hf), OpenVINO's CPU "
+        "plugin (openvino: int4-g128 by default; plain chains, not batch-invariant; docs/openvino.md), "
+        "or auto (default: lean where it runs the model, else hf)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument(

@@ -53,6 +53,7 @@ EXTRAS = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "prometheus_client": "serve",
+    "openvino": "openvino",
 }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 from ..options import (
+    BACKENDS,
     DTYPE_HELP,
     SAMPLING_RULE_HELP,
     WEIGHT_FORMATS,
@@ -132,7 +133,7 @@ def register(sub) -> None:
         "runs, so drafting turns itself off where it does not pay in service, and back on)",
     )
     s.add_argument(
-        "--backend", default="auto", choices=("auto", "lean", "hf"), help="model runtime (default auto)"
+        "--backend", default="auto", choices=BACKENDS, help="model runtime (default auto)"
     )
     s.set_defaults(func=_serve)
 

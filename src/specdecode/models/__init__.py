@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecDecodeError
-from ..formats import GGUF_FORMATS
+from ..formats import BACKENDS, GGUF_FORMATS
 from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
 from .llama import LlamaConfig, LlamaModel, return_freed_memory
@@ -138,6 +138,30 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _load_openvino(name_or_path, dtype: torch.dtype, device: torch.device, quant: str | None):
+    """A model compiled by OpenVINO (models/openvino.py) in the format `dtype` / `quant` name;
+    its graph is built once and kept under the model cache."""
+    from ..formats import OPENVINO_FORMATS, format_name
+    from .openvino import OVModel
+
+    if device.type != "cpu":
+        raise SpecDecodeError("the openvino backend runs on the CPU; drop --device or --backend openvino")
+    fmt = format_name(dtype, quant)
+    if fmt not in OPENVINO_FORMATS:
+        raise SpecDecodeError(
+            f"the openvino backend runs {', '.join(OPENVINO_FORMATS)}, not {fmt!r} "
+            "(for w8a8 use int8: OpenVINO quantizes the activations itself)"
+        )
+    path = resolve(name_or_path, torch.float32 if fmt == "fp32" else torch.bfloat16)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise SpecDecodeError(f"{path}/config.json is not valid JSON ({e})") from None
+    label = Path(str(name_or_path)).name
+    model = OVModel.from_dir(path, fmt, cache=cache_dir() / "openvino", label=label)
+    return _named(model, name_or_path, path, cfg)
+
+
 def _gguf_qweights(name: str, fmt: str):
     """(the GGUF's quantized projections by our weight names, the kind the rest are quantized to)."""
     from .gguf_quant import read_qweights
@@ -163,12 +187,14 @@ def load(
     quant: str | None = None,
 ):
     """Load a model: our lean runtime for Llama, Qwen2 and Qwen3 checkpoints ('lean'),
-    transformers otherwise ('hf'),
+    transformers otherwise ('hf'), or OpenVINO's CPU plugin ('openvino', models/openvino.py),
     its weights on `device` (cpu, cuda, cuda:N). Reads local files only; nothing is downloaded.
     quant: int8, int4 or int4-g128 quantizes every projection and the LM head at load
     (weight-only, models/quant.py; `dtype` is then the activations' type, bf16 is fastest);
     q4_k or q8_0 keeps the installed GGUF's own quantized blocks (zoo models, models/gguf_quant.py)."""
     dev = resolve_device(device)
+    if backend == "openvino":
+        return _load_openvino(name_or_path, dtype, dev, quant)
     qweights = None
     if quant is not None:
         known = (*QUANT_KINDS, *GGUF_QUANTS)
@@ -185,8 +211,8 @@ def load(
         cfg = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise SpecDecodeError(f"{path}/config.json is not valid JSON ({e})") from None
-    if backend not in ("auto", "lean", "hf"):
-        raise SpecDecodeError(f"backend must be auto, lean or hf, got {backend!r}")
+    if backend not in BACKENDS:
+        raise SpecDecodeError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     model: LlamaModel | HFModel
     use_lean = backend == "lean"
     if backend == "auto":
@@ -206,10 +232,15 @@ def load(
             ) from None
     else:
         model = HFModel.from_dir(path, dtype, dev)
-    model.name = str(name_or_path)
-    model.path = path
     if fmt is not None:
         model.quant = fmt
+    return _named(model, name_or_path, path, cfg)
+
+
+def _named(model, name_or_path, path: Path, cfg: dict):
+    """The model with its name, path, tokenizer and end-of-sequence ids."""
+    model.name = str(name_or_path)
+    model.path = path
     model.tokenizer = TextTokenizer.from_dir(path)
     # the model's EOS, and the chat template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
     eos = _eos_ids(path, cfg)
