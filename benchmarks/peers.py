@@ -16,8 +16,10 @@ Systems (each reported as tokens/s and speed-up over its own target-only):
   `llama-speculative-simple -md <draft>` and
   `llama-lookup`, on the GGUF files themselves (Q4_K_M) and, with --llama-bf16, on BF16 copies
   made by `llama-quantize --allow-requantize`;
-- OpenVINO GenAI is not run: `openvino-genai` needs models exported by optimum-intel, which
-  downloads from the hub (see benchmarks/NOTES.md).
+- ours-ov (system `openvino`): our engine with `--backend openvino` (models/openvino.py: OpenVINO's
+  CPU plugin runs target and draft, --ov-dtype, default int4-g128): target-only, draft model, auto;
+- OpenVINO GenAI is not run: its LLMPipeline takes only stateful models exported by optimum-intel
+  (whose export pulls another torch and transformers; see benchmarks/NOTES.md).
 
 Prompts: the demo's four coding prompts (chat), HumanEval tasks (raw completion) and Spec-Bench
 prompts (chat), --limit of each. Writes OUT/peers.json and OUT/peers.md.
@@ -232,6 +234,7 @@ def main() -> int:
     )
     ap.add_argument("--hf-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--systems", default="ours,transformers,llama.cpp", help="comma-separated")
+    ap.add_argument("--ov-dtype", default="auto", help="the openvino system's format (auto: int4-g128)")
     ap.add_argument("--llama-bf16", action="store_true", help="also llama.cpp on BF16 copies of the GGUFs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "qwen-pair"))
     args = ap.parse_args()
@@ -296,6 +299,19 @@ def main() -> int:
             )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         runners.update({name: partial(run_ours, g, params, clear_process_caches) for name, g in gens.items()})
+    if "openvino" in systems:
+        ov = open_models(PAIR_TARGET, draft=PAIR_DRAFT, k=k, dtype=args.ov_dtype, backend="openvino")
+        policy = ov.config.policy
+        ov_gens = {
+            "ours-ov target-only": SpeculativeGenerator(ov.target),
+            f"ours-ov draft (k={k})": SpeculativeGenerator(ov.target, draft=ov.draft, k=k, policy=policy),
+            f"ours-ov auto (k={k})": SpeculativeGenerator(
+                ov.target, draft=ov.draft, method="auto", k=k, policy=policy
+            ),
+        }
+        params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+        for name, g in ov_gens.items():
+            runners[name] = partial(run_ours, g, params, clear_process_caches)
     if "transformers" in systems:
         hf = load_transformers(resolve(PAIR_TARGET, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
         hf_draft = load_transformers(resolve(PAIR_DRAFT, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
@@ -358,7 +374,7 @@ def _base_of(name: str, names: list[str]) -> str:
     if system == "llama.cpp":
         prec = name.split(" ")[1]
         return f"llama.cpp {prec} plain"
-    return {"ours": "ours target-only", "transformers": "transformers generate"}[system]
+    return "transformers generate" if system == "transformers" else f"{system} target-only"
 
 
 def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
@@ -399,19 +415,19 @@ def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
                 f"- {s}: ours best ({ours}, {rate[s][ours]:.2f} tok/s) / llama.cpp best ({peer}, "
                 f"{rate[s][peer]:.2f} tok/s) = **{best[s]['ratio']:.2f}x**"
             )
-    if "ours target-only" in names and "token_ids" in results["ours target-only"][0]:
-        ref = [r["token_ids"] for r in results["ours target-only"]]
-        for name in names:
-            if name.startswith("ours ") and name != "ours target-only":
-                same = sum(r["token_ids"] == t for r, t in zip(results[name], ref))
-                lines.append(f"- {name}: greedy tokens equal ours target-only's on {same}/{len(ref)} prompts")
-    if "ours target-only" in names:
-        plain = [n for n in names if n.startswith("llama.cpp") and n.endswith("plain")]
+    for system in ("ours", "ours-ov"):  # greedy identity with the same engine's target-only
+        base = f"{system} target-only"
+        if base in names and "token_ids" in results[base][0]:
+            ref = [r["token_ids"] for r in results[base]]
+            for name in names:
+                if name.startswith(system + " ") and name != base:
+                    same = sum(r["token_ids"] == t for r, t in zip(results[name], ref))
+                    lines.append(f"- {name}: greedy tokens equal {base}'s on {same}/{len(ref)} prompts")
+    plain = [n for n in names if n.startswith("llama.cpp") and n.endswith("plain")]
+    for mine in ("ours target-only", "ours-ov target-only"):
         for s in sets:
-            for p in plain:
-                lines.append(
-                    f"- {s}: ours target-only / {p} = {rate[s]['ours target-only'] / rate[s][p]:.2f}x"
-                )
+            for p in plain if mine in names else ():
+                lines.append(f"- {s}: {mine} / {p} = {rate[s][mine] / rate[s][p]:.2f}x")
     return {"table": table, "best": best, "markdown": "\n".join(lines) + "\n"}
 
 

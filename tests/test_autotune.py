@@ -149,8 +149,8 @@ def test_generate_json_reports_the_auto_choice_and_models_calibrate_prints_the_t
 
 def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pair_dir, cache):
     """open_models' default draft-length policy: confidence with a draft model (measured faster
-    on the Qwen pair), fixed for model-free methods and token trees; a given policy is kept, and generate passes
-    none unless --policy is on its command line."""
+    on the Qwen pair), fixed for model-free methods and token trees; a given policy is kept, and
+    generate passes none unless --policy is on its command line."""
     from specdecode.cli import build_parser
     from specdecode.opener import spec_fields
     from specdecode.options import spec_config

@@ -175,6 +175,14 @@ def test_openvino_graph_is_built_once_and_read_back(models, capsys):
     assert again.quant == "fp32" and not again.lean and not again.supports_invariant
 
 
+def test_openvino_graphs_of_one_model_in_two_formats_are_both_kept(tmp_path, capsys):
+    """int4 and int4-g128 of one model are two files (one name must not be the other's prefix)."""
+    src = init_model(tmp_path / "m", vocab=32, layers=1, dim=128, heads=2, seed=1)
+    for fmt in ("int4-g128", "int4", "int4-g128", "int4"):
+        load(src, backend="openvino", dtype=torch.bfloat16, quant=fmt)
+    assert capsys.readouterr().err.count("building") == 2
+
+
 def test_open_with_openvino_says_what_runs_and_refuses_what_it_cannot(models, capsys):
     target, draft = str(models["qwen2"]), str(models["llama"])
     lines: list[str] = []
@@ -191,9 +199,10 @@ def test_open_with_openvino_says_what_runs_and_refuses_what_it_cannot(models, ca
     assert not lines  # refused before anything is said or loaded
     with pytest.raises(SpecDecodeError, match="int4 in groups of 128 needs input widths divisible by 128"):
         sd_open(target, backend="openvino", dtype="int4-g128")  # hidden size 64
-    with pytest.raises(SpecDecodeError, match="token trees need .* our lean runtime"):
-        gen = sd_open(target, draft=draft, backend="openvino", dtype="fp32", tree="2,1")
-        gen.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4))
+    for kw in ({"tree": "2,1"}, {"draft_vocab": 32}, {"method": "eagle"}):
+        with pytest.raises(SpecDecodeError, match="needs our lean runtime: drop --backend openvino"):
+            sd_open(target, draft=draft, backend="openvino", dtype="fp32", log=lines.append, **kw)
+    assert not lines
 
 
 def test_cli_generate_runs_on_openvino_and_rejects_bad_combinations(models, capsys):

@@ -90,10 +90,18 @@ def _pinned_draft(draft_dtype: str | None, target_format: str, lean: bool, backe
     return target_format
 
 
-def _check_openvino(dtype: str, draft_dtype: str | None, batch_invariant: bool | None) -> None:
+def _check_openvino(dtype: str, draft_dtype: str | None, batch_invariant: bool | None, config) -> None:
     """One line before anything loads when the openvino backend cannot do what was asked."""
     from .formats import OPENVINO_FORMATS
 
+    lean_only = {
+        "--tree": config.tree is not None,
+        f"--method {config.method}": config.method in ("eagle", "eagle3", "medusa", "early-exit"),
+        "--draft-vocab": config.draft_vocab not in (None, FULL),
+    }
+    for flag, asked in lean_only.items():
+        if asked:
+            raise SpecDecodeError(f"{flag} needs our lean runtime: drop --backend openvino")
     if batch_invariant:
         raise SpecDecodeError(
             "batch invariance needs our lean runtime: drop --batch-invariant or --backend openvino"
@@ -183,13 +191,14 @@ def open_models(
     if backend not in BACKENDS:
         raise SpecDecodeError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     dev = resolve_device(device)
-    if backend == "openvino":
-        _check_openvino(dtype, draft_dtype, batch_invariant)
+
     k = k if k is not None else SpecConfig.k
     if options.get("policy") is None:
         options["policy"] = default_policy(method, draft is not None, options.get("tree") is not None)
     # validate the options before anything loads (SpecConfig's one-line errors)
     base = SpecConfig(method=method, k=k, **options)
+    if backend == "openvino":
+        _check_openvino(dtype, draft_dtype, batch_invariant, base)
     speculative = method is not None
     has_draft_model = draft is not None
     draft_auto = has_draft_model and draft_dtype in (None, AUTO) and (dtype == AUTO or draft_dtype == AUTO)
@@ -229,6 +238,10 @@ def open_models(
     if has_draft_model:
         d_dtype, d_quant = weight_format(choice.draft)
         draft_model = load(draft, backend=backend, dtype=d_dtype, device=dev, quant=d_quant)
+    if backend == "openvino":
+        # OpenVINO's plugin has the cores now; torch's OpenMP workers spin for milliseconds after
+        # each op of the round (sampling, verification) and took ~30% of its step (docs/openvino.md)
+        torch.set_num_threads(1)
     heads = method_heads(target, method, options.pop("heads", None), draft=draft)
     head_dtype = draft_dtype if (draft_dtype not in (None, AUTO) and not has_draft_model) else None
     config = replace(

@@ -320,10 +320,10 @@ class OVModel:
             raise SpecDecodeError(f"{path}: the openvino backend has no linear-attention layers")
         weights = _LazyWeights(path)
         n_params = sum(weights.stored(n).numel() for n in weights)
-        core = ov.Core()
+        core = _core()
         xml = None
         if cache is not None:
-            prefix = f"{label or path.name}-{fmt}-"
+            prefix = f"{label or path.name}.{fmt}."  # no format name holds a dot
             xml = cache / f"{prefix}{_graph_key(path, fmt)}.xml"
         if xml is not None and xml.exists():
             model = core.read_model(str(xml))
@@ -345,7 +345,7 @@ class OVModel:
                         "directory"
                     ) from None
         config = {
-            "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+            "INFERENCE_NUM_THREADS": threads(),
             "NUM_STREAMS": 1,
             "PERFORMANCE_HINT": "LATENCY",
         }
@@ -354,7 +354,11 @@ class OVModel:
             config["INFERENCE_PRECISION_HINT"] = precision
         if precision == "f32":  # and no int8 activations inside compressed matmuls either
             config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
-        return OVModel(cfg, core.compile_model(model, "CPU", config), fmt, n_params)
+        out = OVModel(cfg, core.compile_model(model, "CPU", config), fmt, n_params)
+        # the plugin repacks the weights at the first inference (5.7 s on the 1.5B): done here, at
+        # load, so that no request's first token pays it
+        out.forward(torch.zeros(1, 1, dtype=torch.long), out.new_cache(1, 1))
+        return out
 
     def num_parameters(self) -> int:
         return self._n_params
@@ -418,6 +422,29 @@ class OVModel:
         if not meta.need_logits:
             return None, None
         return torch.from_numpy(np.array(out["logits"], np.float32)), None
+
+
+_CORE = None
+_THREADS: int | None = None
+
+
+def threads() -> int:
+    """The threads every OpenVINO model of this process runs on: torch's count when the first one
+    is compiled (the front ends then give torch's own ops one thread: specdecode.open)."""
+    global _THREADS
+    if _THREADS is None:
+        _THREADS = torch.get_num_threads()
+    return _THREADS
+
+
+def _core():
+    """One OpenVINO Core per process: its CPU plugin, and with it one pool of threads, is shared
+    by every model compiled here (a target and its draft alternate; two pools would spin against
+    each other on the same cores)."""
+    global _CORE
+    if _CORE is None:
+        _CORE = need_openvino().Core()
+    return _CORE
 
 
 def _graph_key(path: Path, fmt: str) -> str:
