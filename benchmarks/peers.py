@@ -167,6 +167,18 @@ def run_llama(bin_dir: Path, tool: str, model: Path, prompt: str, n: int, k: int
     return out
 
 
+def run_llama_bench(bin_dir: Path, model: Path, n: int, pp: int = 512) -> dict:
+    """llama-bench's own figures for the target: tg<n> (decoding) and pp<pp> (prompt) tokens/s."""
+    args = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(THREADS), "-p", str(pp), "-n", str(n)]
+    done = subprocess.run([*args, "-o", "json"], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr[-800:]}")
+    rows = json.loads(done.stdout)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    pps = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    return {"tg": tg, "pp": pps, "pp_tokens": pp, "tg_tokens": n}
+
+
 def run_ours(gen, params, clear_caches, w: dict) -> dict:
     clear_caches()  # each prompt on its own: no suffix drafts from other runs of it
     (r,) = gen.generate([w["ids"]], params)
@@ -183,6 +195,14 @@ def run_ours(gen, params, clear_caches, w: dict) -> dict:
         "drafted": st.drafted,
         "token_ids": list(r.token_ids),  # greedy identity with ours target-only (the report)
     }
+
+
+def with_torch_threads(n: int, run: Callable[[dict], dict], w: dict) -> dict:
+    """run(w) with torch on n threads (the openvino rows give torch one; the others THREADS)."""
+    import torch
+
+    torch.set_num_threads(n)
+    return run(w)
 
 
 def run_transformers(runner, n: int, w: dict) -> dict:
@@ -298,7 +318,9 @@ def main() -> int:
                 target, draft=draft, k=k, batch_invariant=inv, policy=policy
             )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-        runners.update({name: partial(run_ours, g, params, clear_process_caches) for name, g in gens.items()})
+        for name, g in gens.items():
+            run = partial(run_ours, g, params, clear_process_caches)
+            runners[name] = partial(with_torch_threads, THREADS, run)
     if "openvino" in systems:
         ov = open_models(PAIR_TARGET, draft=PAIR_DRAFT, k=k, dtype=args.ov_dtype, backend="openvino")
         policy = ov.config.policy
@@ -310,8 +332,10 @@ def main() -> int:
             ),
         }
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-        for name, g in ov_gens.items():
-            runners[name] = partial(run_ours, g, params, clear_process_caches)
+        for name, g in ov_gens.items():  # torch's own ops on one thread beside the plugin (docs/openvino.md)
+            run = partial(run_ours, g, params, clear_process_caches)
+            runners[name] = partial(with_torch_threads, 1, run)
+        torch.set_num_threads(THREADS)  # open_models set 1; the other systems' rows run on THREADS
     if "transformers" in systems:
         hf = load_transformers(resolve(PAIR_TARGET, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
         hf_draft = load_transformers(resolve(PAIR_DRAFT, dt(args.hf_dtype)), "cpu", dt(args.hf_dtype))
@@ -352,6 +376,13 @@ def main() -> int:
             results[name].append(res)
             print(f"{w['set']:<18} {name:<36} {res['tokens'] / res['seconds']:6.2f} tok/s", file=sys.stderr)
     report = summarise(results, work, args, t_dtype)
+    if "llama.cpp" in systems and (llama_dir / "build" / "bin" / "llama-bench").exists():
+        bench = run_llama_bench(llama_dir / "build" / "bin", ZOO[PAIR_TARGET].gguf_path(), n)
+        report["llama_bench"] = bench
+        report["markdown"] += (
+            f"- llama-bench (Q4_K_M target, {THREADS} threads): tg{n} {bench['tg']:.2f} tok/s, "
+            f"pp{bench['pp_tokens']} {bench['pp']:.1f} tok/s\n"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps({"results": results, "report": report}, indent=2, default=str))
