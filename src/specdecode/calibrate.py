@@ -13,6 +13,7 @@ import torch
 
 from .drafters import DraftContext, Drafter
 from .errors import SpecDecodeError
+from .generation import Generation
 from .policy import CostModel, FixedPolicy, LoadCosts
 from .rows import Rows
 from .sampling import SamplingParams
@@ -25,8 +26,6 @@ def round_seconds(
 ) -> float:
     """The median wall time of `rounds` rounds (after a warm-up one) of a scratch batch of these
     prompts where every row drafts `width` tokens."""
-    from .engine import Generation
-
     scratch = Generation(spec, prompts, params, policy=FixedPolicy(width))
     times = []
     for _ in range(rounds + 1):

@@ -14,7 +14,7 @@ it; the engine prefills such rows one at a time)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,18 @@ from ..errors import SpecDecodeError
 from .base import ForwardMeta
 from .invariant import InvariantAttention
 
-if TYPE_CHECKING:
-    from .llama import LlamaModel
+
+class PlannedModel(Protocol):
+    """What plan_forward reads of a model (our lean runtime's LlamaModel): its config, dtype and
+    RoPE tables (grown on demand)."""
+
+    cfg: Any
+    dtype: torch.dtype
+    _cos: torch.Tensor
+    _sin: torch.Tensor
+
+    def _rope_tables(self, need: int) -> None: ...
+
 
 # scaled_dot_product_attention(enable_gqa=...) arrived in torch 2.5
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -88,7 +98,7 @@ class ForwardPlan:
         return out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
 
 
-def plan_forward(model: LlamaModel, tokens: torch.Tensor, cache, meta: ForwardMeta) -> ForwardPlan:
+def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: ForwardMeta) -> ForwardPlan:
     """The plan of `model`'s forward over tokens [B, T] into `cache` as `meta` asks."""
     positions, tree_mask, offset = meta.positions, meta.tree_mask, meta.offset
     c = model.cfg

@@ -1,0 +1,227 @@
+"""A running batch (Generation): prefill, then rounds of propose -> ONE target forward -> verify
+-> commit -> emit (`Generation._round`), rows stopping at their own time and joining between
+rounds; it reads only the Speculation that speculation.build decided (engine.py's
+SpeculativeGenerator starts them; calibrate.py times scratch ones)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .emit import GenerationResult, RoundEvent, RowOutput, emit, token_logprobs
+from .errors import SpecDecodeError
+from .policy import RoundOutcome
+from .prefill import Prefill, remember
+from .prefix import PrefixCache
+from .rows import Rows
+from .sampling import SamplingParams
+from .speculation import Prompt, Speculation, prepare
+from .verify import Proposal, Verdict, verify_proposal
+
+
+class Generation:
+    """A running batch. Iterate it for one RoundEvent per round; between rounds add() admits a
+    new row; results() runs it to the end and returns every row in admission order."""
+
+    def __init__(
+        self,
+        spec: Speculation,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        policy=None,
+        make_policy: Callable[[Generation], Any] | None = None,
+        prefix: PrefixCache | None = None,
+    ) -> None:
+        """A batch of these prompts (token ids) under `spec`; the draft-length policy is
+        `policy`, or make_policy(this run) once the rows exist (the optimal policy times them).
+        prefix: a PrefixCache to reuse earlier requests' keys and values from (and to fill)."""
+        self.spec, self.target, self.drafter = spec, spec.target, spec.drafter
+        self.prefix = prefix
+        self.outputs: list[RowOutput] = []
+        self.round_no = 0
+        with torch.inference_mode():
+            self.rows, self.cache, self.state = self._start(ids, params)
+            self.policy = policy if policy is not None else make_policy(self)
+        self.policy.add_rows(self.rows.size)
+
+    # -- the round ------------------------------------------------------------------------
+    def _round(self) -> RoundEvent:
+        rows, cache = self.rows, self.cache
+        t0 = time.perf_counter()
+        # 1. each row's draft length, from its own past rounds
+        limits = self.policy.next_k()
+        # 2. the drafter proposes: up to limits[b] tokens per row, or a token tree
+        proposal = self._propose(limits)
+        t1 = time.perf_counter()
+        # 3. ONE target forward over [pending token, drafts]
+        tokens = torch.cat([rows.pending(), proposal.tokens], 1)
+        meta = self.spec.verify_meta(proposal, cache.lengths)
+        logits, hidden = self.target.forward(tokens, cache, meta)  # [B, 1 + width, V], [.., d] | None
+        t2 = time.perf_counter()
+        # 4. verify: how many drafts each row keeps, and the one token the target adds
+        verdict = verify_proposal(proposal, logits, rows.warp, rows.rng, rows.lengths)
+        logprobs = token_logprobs(logits, verdict, rows.params)
+        # 5. commit: the accepted drafts stay in the caches, the tokens join the rows
+        self._commit(verdict, hidden)
+        # 6. emit: stop rules, stats, trace
+        tok = self.target.tokenizer
+        emitted, finished = emit(
+            self.outputs, rows.ids, verdict, self.target.eos_token_ids, tok, (t1 - t0, t2 - t1), logprobs
+        )
+        self.policy.observe(_outcome(verdict))
+        draft_tokens = proposal.tokens if proposal.tree is None else verdict.tokens[:, :-1]
+        event = RoundEvent(self.round_no, list(rows.ids), draft_tokens, verdict, emitted, finished)
+        self.round_no += 1
+        return event
+
+    def _propose(self, limits: list[int]) -> Proposal:
+        rows, drafter = self.rows, self.drafter
+        tree = self.spec.tree
+        if drafter is not None and tree is not None and max(limits, default=0) > 0:
+            nodes = drafter.propose_tree(self.state, rows.context(), tree)
+            if isinstance(nodes, Proposal):  # sampled candidates, with the drafter's q
+                return nodes
+            return Proposal(nodes, tree=tree)
+        if drafter is None or max(limits) == 0:
+            return Proposal.empty(rows.size, rows.tokens.device)
+        limit_t = torch.tensor(limits, device=rows.tokens.device)
+        return drafter.propose(self.state, rows.context(), limit_t, self.policy.stop_below)
+
+    def _commit(self, verdict: Verdict, hidden: torch.Tensor | None) -> None:
+        rows, cache, drafter = self.rows, self.cache, self.drafter
+        base = rows.lengths - 1  # the pending token's slot in the target cache
+        kept = rows.lengths + verdict.accepted  # pending + accepted drafts stay cached
+        if verdict.path is not None:  # a tree: move the accepted path next to the root
+            cache.keep_path(base, verdict.path)
+            if hidden is not None:
+                hidden = _along(hidden, verdict.path)
+        cache.rewind(kept)
+        if drafter is not None:
+            if hidden is not None:  # features of the pending token and the accepted drafts
+                drafter.observe(self.state, hidden, base, verdict.accepted + 1)
+            drafter.commit(self.state, kept)
+        rows.append(verdict.tokens, verdict.num_emitted)
+
+    # -- the batch ------------------------------------------------------------------------
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> RoundEvent:
+        if self.rows.size == 0:
+            raise StopIteration
+        with torch.inference_mode():
+            event = self._round()
+        if any(event.finished):
+            self._retire([i for i, f in enumerate(event.finished) if not f])
+        return event
+
+    def add(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Admit a row between rounds: prefilled on its own, then decoded with the others.
+        Returns its row id, its index in results()."""
+        return self.add_many([prompt], params)[0]
+
+    def add_many(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[int]:
+        """Admit several rows at once (one prefill, one copy of the caches); their row ids."""
+        prefill = self.begin(prompts, params)
+        with torch.inference_mode():
+            prefill.step(None)
+        return self.join(prefill)
+
+    def cancel(self, row_ids: Sequence[int]) -> None:
+        """Drop these live rows between rounds (finish reason "abort"): their slots, caches and
+        drafter state are freed now; the other rows go on untouched."""
+        drop = set(row_ids)
+        if not drop & set(self.rows.ids):
+            return
+        now = time.perf_counter()
+        for row in drop & set(self.rows.ids):
+            out = self.outputs[row]
+            out.reason, out.ended = "abort", now
+        self._retire([i for i, row in enumerate(self.rows.ids) if row not in drop])
+
+    def forget(self, row_id: int) -> None:
+        """Release a finished row's output (a long-running server calls this once it has read
+        it, so memory stays flat); results() cannot report that row afterwards."""
+        if row_id in self.rows.ids:
+            raise SpecDecodeError(f"row {row_id} is still running; cancel it first")
+        self.outputs[row_id] = None  # type: ignore[call-overload]
+
+    def results(self) -> list[GenerationResult]:
+        """Run to the end; every row's result, in admission order (the row ids)."""
+        for _ in self:
+            pass
+        return [out.result(self.target.tokenizer) for out in self.outputs]
+
+    def begin(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ):
+        """Admit rows whose prefill runs in chunks between rounds: returns a Prefill; call its
+        step(budget) between rounds until it is done, then join() it. Its rows have their ids
+        (indices in results()) from now on, but decode only once joined."""
+        ids, plist = prepare(self.target, list(prompts), params)
+        with torch.inference_mode():
+            return self._begin(ids, plist)
+
+    def join(self, prefill: Prefill) -> list[int]:
+        """Rows whose prefill is done join the running batch (one copy of the caches); their ids."""
+        if not prefill.done:
+            raise SpecDecodeError("this admission's prefill is not done; step() it until done")
+        with torch.inference_mode():
+            rows, cache, state = prefill.finish()
+            if self.rows.size == 0:
+                self.rows, self.cache, self.state = rows, cache, state
+            else:
+                self.rows.extend(rows)
+                self.cache.add_rows(cache)
+                if self.drafter is not None:
+                    self.drafter.add_rows(self.state, state)
+        self.policy.add_rows(rows.size)
+        return list(rows.ids)
+
+    def _begin(self, ids: list[list[int]], params: list[SamplingParams]) -> Prefill:
+        first = len(self.outputs)
+        rows = Rows.new(
+            list(range(first, first + len(ids))), ids, params, self.spec.width, self.target.device
+        )
+        self.spec.check_capacity(rows.tokens.shape[1])
+        prefill = Prefill(self.spec, rows, self.prefix)
+        self.outputs += [RowOutput(p, prefill.started) for p in params]
+        prefill.outputs = self.outputs[first:]
+        return prefill
+
+    def _start(self, ids: list[list[int]], params: list[SamplingParams]) -> tuple[Rows, Any, Any]:
+        """Rows for these prompts with a target cache holding all but each pending token, and
+        the drafter's state for them (the whole prefill at once)."""
+        prefill = self._begin(ids, params)
+        prefill.step(None)
+        return prefill.finish()
+
+    def _retire(self, keep: list[int]) -> None:
+        if self.prefix is not None:
+            kept = set(keep)
+            for b in range(self.rows.size):
+                if b not in kept:
+                    remember(self.prefix, self.spec, self.rows, self.cache, self.state, b)
+        index = torch.tensor(keep, dtype=torch.long, device=self.rows.tokens.device)
+        self.rows.select(keep)
+        self.cache.select_rows(index)
+        if self.drafter is not None:
+            self.drafter.select_rows(self.state, index)
+        self.policy.select_rows(keep)
+
+
+def _along(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+    """[B, 1 + max path, d] the root's hidden state, then those of each row's accepted nodes."""
+    B, width = hidden.shape[0], 1 + max(len(p) for p in paths)
+    along = torch.tensor([[0, *p] + [0] * (width - 1 - len(p)) for p in paths], device=hidden.device)
+    return hidden.gather(1, along.unsqueeze(-1).expand(B, width, hidden.shape[-1]))
+
+
+def _outcome(verdict: Verdict) -> RoundOutcome:
+    drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
+    return RoundOutcome(drafted, [min(a + 1, d) for a, d in zip(accepted, drafted)], accepted)
