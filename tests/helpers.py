@@ -97,6 +97,18 @@ def two_token_joint(target, prompt: list[int]) -> np.ndarray:
     return (p1.view(V, 1) * p2).numpy().ravel()
 
 
+def independent(params, n: int) -> list:
+    """n rows of params drawing independent samples, the cheapest way that repeats: standard-rule
+    rows unseeded (they draw together from torch's default generator, seeded here with
+    params.seed), invariant-rule rows with seeds seed, seed + 1, ... (each needs its own key)."""
+    from dataclasses import replace
+
+    if params.sampling_rule == "invariant":
+        return seeded(params, n)
+    torch.manual_seed(params.seed)
+    return [replace(params, seed=None)] * n
+
+
 def seeded(params, n: int) -> list:
     """n copies of params with seeds seed, seed + 1, ...: independent, reproducible samples (a
     seed fixes a row's samples, so n rows with one seed would all draw the same)."""

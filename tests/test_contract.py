@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, random_heads, resample_from_p_after_rejection, seeded, two_token_joint
+from helpers import (
+    check_distribution,
+    independent,
+    random_heads,
+    resample_from_p_after_rejection,
+    two_token_joint,
+)
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.drafters.suffix import process_cache
 from specdecode.policy import CostModel
@@ -170,7 +176,7 @@ def joint_run(v16, case, seed=9, n=RUNS, prompts=None):
     gen = generator(target, draft, heads, method, **opts)
     prompts = prompts or [prompt]
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed, ignore_eos=True, sampling_rule=rule)
-    results = gen.generate([prompts[i % len(prompts)] for i in range(n)], seeded(params, n))
+    results = gen.generate([prompts[i % len(prompts)] for i in range(n)], independent(params, n))
     V = target.vocab_size
     out = []
     for j, p in enumerate(prompts):

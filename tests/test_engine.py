@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, seeded, tiny_hf_model
+from helpers import check_distribution, independent, tiny_hf_model
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.models.base import logits_of
 from specdecode.models.init import init_model
@@ -187,7 +187,7 @@ def test_two_token_joint_through_engine_equals_target(small_vocab_models, k, par
         ignore_eos=True,
     )
     gen = SpeculativeGenerator(target, draft=draft, k=k)
-    results = gen.generate([PROMPT] * RUNS, seeded(params, RUNS))
+    results = gen.generate([PROMPT] * RUNS, independent(params, RUNS))
     pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
     joint = exact_joint(target, params)
     ok, msg = check_distribution(pairs, joint)
@@ -201,7 +201,7 @@ def test_two_token_joint_of_target_only_decoding_equals_target(small_vocab_model
     """Plain rounds (nothing drafted) sample on their own fast path: argmax(p / Exp(1))."""
     target, _ = small_vocab_models
     params = SamplingParams(temperature=0.9, top_k=10, max_new_tokens=2, seed=77, ignore_eos=True)
-    results = SpeculativeGenerator(target).generate([PROMPT] * RUNS, seeded(params, RUNS))
+    results = SpeculativeGenerator(target).generate([PROMPT] * RUNS, independent(params, RUNS))
     pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, exact_joint(target, params))
     assert ok, msg
@@ -219,7 +219,7 @@ def test_target_only_joint_check_catches_a_biased_sampler(small_vocab_models, mo
     monkeypatch.setattr(verify_mod, "sample", sharpened)
     target, _ = small_vocab_models
     params = SamplingParams(temperature=0.9, top_k=10, max_new_tokens=2, seed=77, ignore_eos=True)
-    results = SpeculativeGenerator(target).generate([PROMPT] * RUNS, seeded(params, RUNS))
+    results = SpeculativeGenerator(target).generate([PROMPT] * RUNS, independent(params, RUNS))
     pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
     ok, _ = check_distribution(pairs, exact_joint(target, params))
     assert not ok
@@ -247,7 +247,8 @@ def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypa
     monkeypatch.setattr(verify_mod, "verify_chain", biased)
     target, draft = small_vocab_models
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=7, ignore_eos=True)
-    results = SpeculativeGenerator(target, draft=draft, k=1).generate([PROMPT] * RUNS, seeded(params, RUNS))
+    rows = independent(params, RUNS)
+    results = SpeculativeGenerator(target, draft=draft, k=1).generate([PROMPT] * RUNS, rows)
     pairs = np.array([r.token_ids[0] * target.vocab_size + r.token_ids[1] for r in results])
     ok, msg = check_distribution(pairs, exact_joint(target, params))
     assert not ok, msg

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import check_distribution, noisy_copy, resample_from_p_after_rejection, seeded
+from helpers import check_distribution, independent, noisy_copy, resample_from_p_after_rejection
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.models.base import logits_of
 from specdecode.models.init import init_model
@@ -46,7 +46,8 @@ def sixth_token_run(pair8) -> tuple[np.ndarray, list]:
     target, draft = pair8
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=77, ignore_eos=True)
     runs = SIXTH_RUNS
-    results = SpeculativeGenerator(target, draft=draft, k=4).generate([PROMPT] * runs, seeded(params, runs))
+    rows = independent(params, runs)
+    results = SpeculativeGenerator(target, draft=draft, k=4).generate([PROMPT] * runs, rows)
     return np.array([r.token_ids[5] for r in results]), results
 
 

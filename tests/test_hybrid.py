@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_distribution, noisy_copy, random_heads, seeded, two_token_joint
+from helpers import check_distribution, independent, noisy_copy, random_heads, two_token_joint
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
 from specdecode.models.base import ForwardMeta
 from specdecode.models.init import init_model
@@ -167,7 +167,7 @@ def hybrid_pairs(target, draft, n: int = 40_000, **options):
     prompt, V = [5, 9, 2], target.vocab_size
     gen = SpeculativeGenerator(target, draft=draft, **options)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5, ignore_eos=True)
-    results = gen.generate([prompt] * n, seeded(params, n))
+    results = gen.generate([prompt] * n, independent(params, n))
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     accepted = sum(r.stats.accepted for r in results)
     return pairs, two_token_joint(target, prompt), accepted

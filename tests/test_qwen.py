@@ -8,7 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import check_distribution, noisy_copy, resample_from_p_after_rejection, seeded, two_token_joint
+from helpers import (
+    check_distribution,
+    independent,
+    noisy_copy,
+    resample_from_p_after_rejection,
+    two_token_joint,
+)
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.models import LlamaModel, logits_of
 from specdecode.models.init import init_model
@@ -126,7 +132,8 @@ def qwen3_v16(tmp_path_factory):
 def _two_token(pair) -> tuple[np.ndarray, np.ndarray, float]:
     target, draft = pair
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=41, ignore_eos=True)
-    results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, seeded(params, RUNS))
+    rows = independent(params, RUNS)
+    results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, rows)
     V = target.vocab_size
     pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
     joint = two_token_joint(target, PROMPT)

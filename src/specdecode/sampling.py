@@ -203,13 +203,15 @@ def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
 
 
 class RowRandom:
-    """Each row's randomness. A row under the standard rule has one torch.Generator, seeded from
-    its SamplingParams.seed (fresh entropy when unseeded); every draw is made row by row from the
-    row's own generator, and a row draws only what its own round needs, so a seeded row gives
-    the same samples alone or in any batch (of the same drafter and k). A row under the
-    invariant rule (`keyed[b]`) has a key instead, its seed (or one drawn once, now, when it has
-    none), and reads the noise of each position it samples from position_noise: nothing depends
-    on how many numbers anyone drew before."""
+    """Each row's randomness. A seeded row under the standard rule has one torch.Generator,
+    seeded from its SamplingParams.seed; every draw it makes comes from that generator, and a row
+    draws only what its own round needs, so a seeded row gives the same samples alone or in any
+    batch (of the same drafter and k). Unseeded rows share torch's default generator and draw
+    together, one tensor per call for all of them (as vLLM does): independent uniforms and noise
+    per row, fresh each process, reproducible under torch.manual_seed, and no Python loop over
+    thousands of rows. A row under the invariant rule (`keyed[b]`) has a key instead, its seed
+    (or one drawn once, now, when it has none), and reads the noise of each position it samples
+    from position_noise: nothing depends on how many numbers anyone drew before."""
 
     def __init__(
         self,
@@ -218,8 +220,11 @@ class RowRandom:
         keyed: Sequence[bool] | None = None,
     ) -> None:
         self.device = torch.device(device)
-        self.generators = [self._generator(s) for s in seeds]
         keyed = [False] * len(seeds) if keyed is None else list(keyed)
+        # a generator per seeded row (None: the row draws with the others from torch's default)
+        self.generators: list[torch.Generator | None] = [
+            self._generator(s) if s is not None or k else None for s, k in zip(seeds, keyed)
+        ]
         self.keys: list[int | None] = [
             (g.initial_seed() if s is None else s) if k else None
             for g, s, k in zip(self.generators, seeds, keyed)
@@ -235,13 +240,24 @@ class RowRandom:
             g.manual_seed(seed)
         return g
 
+    def _shared(self, rows: Sequence[int]) -> torch.Tensor:
+        """The indices of these rows that draw from torch's default generator."""
+        return torch.tensor([b for b in rows if self.generators[b] is None], dtype=torch.long)
+
     def uniforms(self, counts: Sequence[int], width: int) -> torch.Tensor:
-        """[B, width] float64: row b's first counts[b] entries are U[0, 1) from its generator, the
-        rest 0 (never used: they lie past the row's drafts)."""
+        """[B, width] float64: row b's first counts[b] entries are U[0, 1) from its generator
+        (unseeded rows: one draw for all of them), the rest 0 (never used: they lie past the row's
+        drafts)."""
         out = torch.zeros(len(self.generators), width, dtype=torch.float64, device=self.device)
         for b, (g, n) in enumerate(zip(self.generators, counts)):
-            if n:
+            if n and g is not None:
                 out[b, :n] = torch.rand(n, dtype=torch.float64, device=self.device, generator=g)
+        shared = self._shared([b for b, n in enumerate(counts) if n])
+        if len(shared):
+            draws = torch.rand(len(shared), width, dtype=torch.float64, device=self.device)
+            n = torch.as_tensor(counts, device=self.device)[shared]
+            keep = torch.arange(width, device=self.device).view(1, width) < n.view(-1, 1)
+            out[shared.to(self.device)] = draws * keep
         return out
 
     def exp_noise(
@@ -249,8 +265,8 @@ class RowRandom:
     ) -> torch.Tensor:
         """[B, V] float64 Exp(1) noise for sampling argmax(probs / noise). Rows with draw[b] False
         get ones (their argmax is the most likely token) and leave their generator alone; a keyed
-        row reads the noise of its position positions[b] ([B] long), a streamed row draws from its
-        generator."""
+        row reads the noise of its position positions[b] ([B] long), a seeded row draws from its
+        generator, the unseeded rows draw one [n, V] tensor together."""
         gens = self.generators
         if len(gens) == 1 and (draw is None or draw[0]) and self.keys[0] is None:
             return torch.empty(1, vocab, dtype=torch.float64, device=self.device).exponential_(
@@ -258,13 +274,17 @@ class RowRandom:
             )
         out = torch.ones(len(gens), vocab, dtype=torch.float64, device=self.device)
         for b, g in enumerate(gens):
-            if draw is None or draw[b]:
+            if (draw is None or draw[b]) and g is not None:
                 if self.keys[b] is None:
                     out[b].exponential_(generator=g)
                 else:
                     if positions is None:
                         raise ValueError("a keyed row's noise needs its position")
                     out[b] = self._keyed(b, int(positions[b]), vocab)
+        shared = self._shared([b for b in range(len(gens)) if draw is None or draw[b]])
+        if len(shared):
+            noise = torch.empty(len(shared), vocab, dtype=torch.float64, device=self.device).exponential_()
+            out[shared.to(self.device)] = noise
         return out
 
     def keyed_noise(self, vocab: int, positions: torch.Tensor, rows: Sequence[bool]) -> torch.Tensor:
