@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import SpecDecodeError
+from .auto import AutoDrafter
 from .base import DraftChain, DraftContext, Drafter, TargetNeeds
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
@@ -13,7 +14,7 @@ from .eagle3 import Eagle3Drafter
 from .early_exit import EarlyExitDrafter
 from .medusa import MedusaDrafter, MedusaHeads
 from .ngram import NgramDrafter
-from .suffix import AutoDrafter, SuffixDrafter
+from .suffix import SuffixDrafter
 
 if TYPE_CHECKING:
     from ..config import SpecConfig
