@@ -103,6 +103,21 @@ def two_token_joint(target, prompt: list[int]) -> np.ndarray:
     return (p1.view(V, 1) * p2).numpy().ravel()
 
 
+def draft_pair_two_tokens(target, draft, prompt: list[int], runs: int, k: int = 2, seed: int = 41):
+    """(sampled (x1, x2) as x1 * V + x2 [runs], the target's exact joint [V * V], the acceptance
+    rate) of `runs` independent 2-token samples at T = 1 through a draft-model generator."""
+    from specdecode import SamplingParams, SpeculativeGenerator
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed, ignore_eos=True)
+    gen = SpeculativeGenerator(target, draft=draft, k=k)
+    results = gen.generate([prompt] * runs, independent(params, runs))
+    V = target.vocab_size
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    joint = two_token_joint(target, prompt)
+    rate = sum(r.stats.accepted for r in results) / sum(r.stats.tested for r in results)
+    return pairs, joint / joint.sum(), rate
+
+
 def independent(params, n: int) -> list:
     """n rows of params drawing independent samples, the cheapest way that repeats: standard-rule
     rows unseeded (they draw together from torch's default generator, seeded here with

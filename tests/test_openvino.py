@@ -4,17 +4,15 @@ the compressed constants stand for), ragged rows and rewinds, greedy speculation
 target-only, the two-token joint through it with its negative control, the graph kept on disk,
 and one-line refusals of what it does not do."""
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import (
     check_distribution,
-    independent,
+    draft_pair_two_tokens,
     noisy_copy,
     resample_from_p_after_rejection,
-    two_token_joint,
 )
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode import open as sd_open
@@ -149,15 +147,7 @@ def ov_v16(tmp_path_factory):
 
 
 def _two_token(pair):
-    target, draft = pair
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=41, ignore_eos=True)
-    rows = independent(params, RUNS)
-    results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, rows)
-    V = target.vocab_size
-    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
-    joint = two_token_joint(target, PROMPT)
-    rate = sum(r.stats.accepted for r in results) / sum(r.stats.tested for r in results)
-    return pairs, joint / joint.sum(), rate
+    return draft_pair_two_tokens(*pair, PROMPT, RUNS)
 
 
 def test_two_token_joint_through_openvino_equals_the_target(ov_v16):

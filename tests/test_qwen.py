@@ -3,17 +3,15 @@ output identical to transformers' own classes on tiny random checkpoints, every 
 greedy output, bf16 batch-invariant speculation equals target-only, and the target's
 distribution survives speculation (with its negative control)."""
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import (
     check_distribution,
-    independent,
+    draft_pair_two_tokens,
     noisy_copy,
     resample_from_p_after_rejection,
-    two_token_joint,
 )
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.models import LlamaModel, logits_of
@@ -129,16 +127,8 @@ def qwen3_v16(tmp_path_factory):
     return load(t), load(noisy_copy(t, root / "d", noise=0.15, seed=6))
 
 
-def _two_token(pair) -> tuple[np.ndarray, np.ndarray, float]:
-    target, draft = pair
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=41, ignore_eos=True)
-    rows = independent(params, RUNS)
-    results = SpeculativeGenerator(target, draft=draft, k=2).generate([PROMPT] * RUNS, rows)
-    V = target.vocab_size
-    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
-    joint = two_token_joint(target, PROMPT)
-    rate = sum(r.stats.accepted for r in results) / sum(r.stats.tested for r in results)
-    return pairs, joint / joint.sum(), rate
+def _two_token(pair):
+    return draft_pair_two_tokens(*pair, PROMPT, RUNS)
 
 
 def test_two_token_joint_on_qwen3_equals_the_target(qwen3_v16):

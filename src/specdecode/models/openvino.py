@@ -278,7 +278,6 @@ class OVModel:
         self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.quant = fmt
-        self.fmt = fmt
         self._n_params = n_params
         self.dtype = torch.float32  # the logits' type
         self.device = torch.device("cpu")
