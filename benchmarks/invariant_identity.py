@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdecode import SamplingParams, SpeculativeGenerator, load  # noqa: E402
 from specdecode.bench.model_bench import read_prompts  # noqa: E402
-from specdecode.drafters.suffix import clear_process_caches  # noqa: E402
 from specdecode.progress import bar  # noqa: E402
 
 
@@ -61,7 +60,6 @@ def main() -> int:
         "eagle3 k=4": dict(method="eagle3", heads=heads, k=4),
     }
     for name, kw in configs.items():
-        clear_process_caches()
         gen = SpeculativeGenerator(target, batch_invariant=True, **kw)
         alone = [gen.generate([c], p)[0] for c, p in bar(list(zip(chats, params)), f"{name} alone")]
         diffs = [i for i, r in enumerate(alone) if r.token_ids != want[i]]

@@ -179,8 +179,8 @@ def run_llama_bench(bin_dir: Path, model: Path, n: int, pp: int = 512) -> dict:
     return {"tg": tg, "pp": pps, "pp_tokens": pp, "tg_tokens": n}
 
 
-def run_ours(gen, params, clear_caches, w: dict) -> dict:
-    clear_caches()  # each prompt on its own: no suffix drafts from other runs of it
+def run_ours(gen, params, w: dict) -> dict:
+    gen.forget()  # each prompt on its own: no suffix drafts from other runs of it
     (r,) = gen.generate([w["ids"]], params)
     st = r.stats
     return {
@@ -268,7 +268,6 @@ def main() -> int:
     from specdecode import SamplingParams, SpeculativeGenerator
     from specdecode.bench.runners import TransformersRunner, load_transformers
     from specdecode.demo import PAIR_DRAFT, PAIR_TARGET
-    from specdecode.drafters.suffix import clear_process_caches
     from specdecode.formats import DTYPES
     from specdecode.models import ZOO, resolve
     from specdecode.opener import open_models
@@ -319,7 +318,7 @@ def main() -> int:
             )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         for name, g in gens.items():
-            run = partial(run_ours, g, params, clear_process_caches)
+            run = partial(run_ours, g, params)
             runners[name] = partial(with_torch_threads, THREADS, run)
     if "openvino" in systems:
         ov = open_models(PAIR_TARGET, draft=PAIR_DRAFT, k=k, dtype=args.ov_dtype, backend="openvino")
@@ -333,7 +332,7 @@ def main() -> int:
         }
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         for name, g in ov_gens.items():  # torch's own ops on one thread beside the plugin (docs/openvino.md)
-            run = partial(run_ours, g, params, clear_process_caches)
+            run = partial(run_ours, g, params)
             runners[name] = partial(with_torch_threads, 1, run)
         torch.set_num_threads(THREADS)  # open_models set 1; the other systems' rows run on THREADS
     if "transformers" in systems:

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdecode import SpeculativeGenerator, load  # noqa: E402
 from specdecode.bench.harness import forward_costs  # noqa: E402
-from specdecode.bench.model_bench import _encode, read_bandwidth, read_prompts  # noqa: E402
+from specdecode.bench.model_bench import encode_prompt, read_bandwidth, read_prompts  # noqa: E402
 from specdecode.bench.runners import OursRunner  # noqa: E402
-from specdecode.options import weight_format  # noqa: E402
+from specdecode.formats import weight_format  # noqa: E402
 from specdecode.progress import bar  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -80,8 +80,8 @@ def main() -> int:
             seen.add(p["category"])
             chosen.append(p)
     sb = chosen[: args.limit]
-    prompts = [("humaneval", _encode(first, p, False)) for p in he] + [
-        ("spec-bench", _encode(first, p, True)) for p in sb
+    prompts = [("humaneval", encode_prompt(first, p, False)) for p in he] + [
+        ("spec-bench", encode_prompt(first, p, True)) for p in sb
     ]
 
     runners = []

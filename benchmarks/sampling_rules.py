@@ -34,14 +34,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-import specdecode.verify as verify_mod  # noqa: E402
+import specdecode.engine.verify as verify_mod  # noqa: E402
 from specdecode import SamplingParams, SpeculativeGenerator, load  # noqa: E402
 from specdecode.bench.model_bench import read_prompts  # noqa: E402
 from specdecode.bench.prompts import CODE, PROSE  # noqa: E402
-from specdecode.drafters.suffix import clear_process_caches  # noqa: E402
-from specdecode.options import weight_format  # noqa: E402
+from specdecode.core.theory import invariant_acceptance, invariant_bound  # noqa: E402
+from specdecode.formats import weight_format  # noqa: E402
 from specdecode.progress import bar  # noqa: E402
-from specdecode.theory import invariant_acceptance, invariant_bound  # noqa: E402
 
 MODELS = ROOT / "models"
 
@@ -176,7 +175,7 @@ def run_set(name: str, temps: list[float], args, rec: Recorder) -> list[dict]:
         }
         for g in gens.values():  # warm-up
             g.generate([ids[0][:32]], SamplingParams(temperature=T, max_new_tokens=4))
-        clear_process_caches()
+            g.forget()
         # every (config, rule) runs every prompt, order rotated prompt by prompt: side by side
         runners = [(n, rule) for n in gens for rule in rules]
         res: dict = {c: [] for c in runners}
@@ -208,7 +207,7 @@ def run_set(name: str, temps: list[float], args, rec: Recorder) -> list[dict]:
                     "same_text_as_target_only": f"{same}/{len(rs)}",
                 }
                 if n != "target-only":  # the untimed pass: p and q at every tested position
-                    clear_process_caches()
+                    g.forget()
                     rec.on = True
                     for p_ids, prm in zip(ids, params[rule]):
                         g.generate([p_ids], prm)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import specdecode.verify as verify_mod  # noqa: E402
+import specdecode.engine.verify as verify_mod  # noqa: E402
 from helpers import check_distribution, noisy_copy, two_token_joint  # noqa: E402
 from specdecode import SamplingParams, SpeculativeGenerator, load  # noqa: E402
 from specdecode.models.init import init_model  # noqa: E402

@@ -141,8 +141,8 @@ def seeded(params, n: int) -> list:
 def resample_from_p_after_rejection(monkeypatch) -> None:
     """Negative control: the engine's chain verifier redraws a rejected position from the target
     probs p instead of the residual norm(max(0, p - q)) (lesson 001's error)."""
-    import specdecode.verify as verify_mod
-    from specdecode.sampling import sample
+    import specdecode.engine.verify as verify_mod
+    from specdecode.core.sampling import sample
 
     real = verify_mod.verify_chain
 

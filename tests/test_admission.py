@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator, load
+from specdecode.engine.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome
+from specdecode.engine.prefix import PrefixCache
 from specdecode.errors import SpecDecodeError
-from specdecode.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome
-from specdecode.prefix import BLOCK, PrefixCache
+from specdecode.models.cache import BLOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY = ROOT / "models" / "three-kingdoms"

@@ -13,7 +13,7 @@ import specdecode
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.autotune import Choice, FormatCosts, Shapes, _pick, best_step, choose
 from specdecode.cli import main
-from specdecode.config import DRAFT_DTYPES
+from specdecode.core.config import DRAFT_DTYPES
 from specdecode.errors import SpecDecodeError
 from specdecode.formats import DRAFT_FORMATS, FORMATS, WEIGHT_FORMATS, weight_format
 from specdecode.opener import open_models
@@ -28,7 +28,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_every_front_end_reads_the_one_format_table():
-    from specdecode import options, roofline
+    from specdecode import roofline
+    from specdecode.cli import options
     from specdecode.models import GGUF_QUANTS
 
     assert options.WEIGHT_FORMATS == WEIGHT_FORMATS == tuple(FORMATS)
@@ -152,8 +153,8 @@ def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pai
     on the Qwen pair), fixed for model-free methods and token trees; a given policy is kept, and
     generate passes none unless --policy is on its command line."""
     from specdecode.cli import build_parser
+    from specdecode.cli.options import spec_config
     from specdecode.opener import spec_fields
-    from specdecode.options import spec_config
 
     target_dir, draft_dir = pair_dir
     quiet = {"log": lambda line: None, "dtype": "fp32"}

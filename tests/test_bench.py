@@ -13,8 +13,8 @@ from specdecode.bench import BenchConfig, forward_costs, run_bench, save
 from specdecode.bench.prompts import edit_prompt, prompts
 from specdecode.bench.scaling import ScalingConfig, run_scaling, save_scaling
 from specdecode.cli import main
+from specdecode.core.theory import expected_speedup
 from specdecode.models import load
-from specdecode.theory import expected_speedup
 
 
 @pytest.fixture(scope="module")

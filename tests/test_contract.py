@@ -25,8 +25,7 @@ from helpers import (
     two_token_joint,
 )
 from specdecode import SamplingParams, SpeculativeGenerator, load
-from specdecode.drafters.suffix import process_cache
-from specdecode.policy import CostModel
+from specdecode.engine.policy import CostModel
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(12)]
@@ -59,8 +58,6 @@ def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGen
         method == "auto" and not (use_draft or opts.get("suffix_only"))
     ):
         kw["heads"] = heads["eagle3" if method == "auto" else method]
-    if method in ("suffix", "auto"):
-        process_cache(target).clear()  # no earlier request's output to draft from
     if use_draft and "draft_dtype" in opts:  # a quantized draft is quantized in place: a copy
         draft = load(draft.path, dtype=draft.dtype)
     return SpeculativeGenerator(target, draft=draft if use_draft else None, method=method, **kw)

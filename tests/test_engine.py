@@ -9,9 +9,9 @@ import torch
 
 from helpers import check_distribution, independent, tiny_hf_model
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.core.sampling import Warp, logits_to_probs
 from specdecode.models.base import logits_of
 from specdecode.models.init import init_model
-from specdecode.sampling import Warp, logits_to_probs
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(16)]
@@ -210,8 +210,8 @@ def test_two_token_joint_of_target_only_decoding_equals_target(small_vocab_model
 
 def test_target_only_joint_check_catches_a_biased_sampler(small_vocab_models, monkeypatch):
     """Negative control for the plain-round path: sampling from p² (renormalised) must fail."""
-    import specdecode.verify as verify_mod
-    from specdecode.sampling import sample
+    import specdecode.engine.verify as verify_mod
+    from specdecode.core.sampling import sample
 
     def sharpened(probs, noise):
         p2 = probs * probs
@@ -228,9 +228,9 @@ def test_target_only_joint_check_catches_a_biased_sampler(small_vocab_models, mo
 
 def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypatch):
     """Negative control: the engine with resample-from-p after rejection must fail the check."""
-    import specdecode.verify as verify_mod
-    from specdecode.sampling import sample
-    from specdecode.verify import verify_chain
+    import specdecode.engine.verify as verify_mod
+    from specdecode.core.sampling import sample
+    from specdecode.engine.verify import verify_chain
 
     def biased(draft_tokens, draft_probs, target_probs, uniforms, noise, draft_lengths=None):
         v = verify_chain(draft_tokens, draft_probs, target_probs, uniforms, noise, draft_lengths)

@@ -10,11 +10,11 @@ import torch
 
 from helpers import write_tiny_gguf, write_tiny_qwen_gguf
 from specdecode.cli import main
+from specdecode.core.sampling import SamplingParams
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import SpecDecodeError
 from specdecode.models import ZOO, ChunkedZooModel, ZooModel, load
 from specdecode.models.gguf_import import import_gguf
-from specdecode.sampling import SamplingParams
 
 pytest.importorskip("gguf")
 

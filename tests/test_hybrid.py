@@ -203,7 +203,7 @@ def test_sampling_keeps_the_two_token_joint(small_hybrid, case):
 def test_two_token_check_catches_a_target_whose_state_is_not_rolled_back(small_hybrid, monkeypatch):
     """Negative control: rewind lowers the lengths but leaves the recurrent state as the
     rejected drafts left it. The same check must reject the output."""
-    from specdecode.cache import KVCache
+    from specdecode.models.cache import KVCache
 
     monkeypatch.setattr(HybridCache, "rewind", KVCache.rewind)
     target, hybrid_draft, _ = small_hybrid
@@ -215,7 +215,7 @@ def test_two_token_check_catches_a_target_whose_state_is_not_rolled_back(small_h
 def test_tree_forward_then_keep_path_leaves_the_state_of_the_accepted_text(hybrid):
     """A tree written after a prompt; keep the path root -> node 2 -> node 5 (tree 2,2): the
     next logits equal a fresh prefill of the prompt and those two tokens, with both strategies."""
-    from specdecode.tree import TokenTree
+    from specdecode.core.tree import TokenTree
 
     target = hybrid[0]
     tree = TokenTree.parse("2,2")

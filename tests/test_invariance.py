@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator, load
-from specdecode.cache import KEY_CHUNK, KVCache
 from specdecode.models import BUNDLED, models_dir
 from specdecode.models.base import extend
+from specdecode.models.cache import KEY_CHUNK, KVCache
 from specdecode.models.linear import Linear
-from specdecode.options import heads_dir
+from specdecode.opener import heads_dir
 
 FAMILY = "three-kingdoms"
 present = all((models_dir() / f"{FAMILY}/{n}" / "config.json").exists() for n in ("target", "draft-64"))

@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from specdecode.core.theory import expected_speedup, expected_tokens_per_round, optimal_k  # noqa: E402
 from specdecode.lab.web import create_lab_app  # noqa: E402
 from specdecode.roofline import HARDWARE, forward_time, spec_from_config  # noqa: E402
-from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_k  # noqa: E402
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 PAIR = "three-kingdoms/target + draft-64"

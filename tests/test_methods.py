@@ -8,13 +8,13 @@ import torch
 
 from helpers import check_distribution
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.core.sampling import Warp
 from specdecode.drafters import DraftContext
 from specdecode.drafters.ngram import lookup
+from specdecode.engine.policy import CostModel, HeuristicPolicy, OptimalPolicy, RoundOutcome
+from specdecode.engine.verify import verify_chain
 from specdecode.models.base import ForwardMeta
 from specdecode.models.init import init_model
-from specdecode.policy import CostModel, HeuristicPolicy, OptimalPolicy, RoundOutcome
-from specdecode.sampling import Warp
-from specdecode.verify import verify_chain
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(12)]
@@ -159,7 +159,7 @@ def test_heuristic_policy_adds_two_after_full_acceptance_and_drops_one_otherwise
 
 
 def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_cannot_pay():
-    from specdecode.theory import optimal_k
+    from specdecode.core.theory import optimal_k
 
     cheap = optimal(max_k=16)
     for _ in range(50):

@@ -10,7 +10,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.drafters.medusa import MedusaHeads
-from specdecode.policy import CostModel
+from specdecode.engine.policy import CostModel
 
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(8)]
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234, ignore_eos=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpecDecodeError
-from specdecode.sampling import Warp, logits_to_probs
+from specdecode.core.sampling import Warp, logits_to_probs
 
 LOGITS = torch.tensor([[[3.0, 2.0, 1.0, 0.0, -1.0]]], dtype=torch.float64)
 

@@ -16,9 +16,9 @@ import torch
 
 from helpers import check_distribution, seeded, two_token_joint
 from specdecode import SamplingParams, SpeculativeGenerator, load
+from specdecode.core.sampling import RowRandom, position_noise
+from specdecode.core.theory import invariant_acceptance, invariant_bound
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import RowRandom, position_noise
-from specdecode.theory import invariant_acceptance, invariant_bound
 
 INV = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_rule="invariant")
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(8)]
@@ -52,8 +52,16 @@ def test_an_unseeded_invariant_row_draws_its_key_once():
 
 
 def test_sampling_rule_is_validated_with_a_one_line_error():
-    with pytest.raises(SpecDecodeError, match="sampling rule must be one of standard, invariant"):
+    with pytest.raises(SpecDecodeError, match="sampling rule must be one of auto, standard, invariant"):
         SamplingParams(sampling_rule="fair")
+
+
+def test_auto_rule_is_resolved_by_sampling_params_invariant_when_seeded():
+    """"auto" has one home: SamplingParams turns it into invariant for a seeded row (its seed then
+    fixes the text whatever runs beside it) and standard for an unseeded one."""
+    assert SamplingParams(sampling_rule="auto", seed=3).sampling_rule == "invariant"
+    assert SamplingParams(sampling_rule="auto").sampling_rule == "standard"
+    assert SamplingParams(sampling_rule="standard", seed=3).sampling_rule == "standard"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -124,7 +132,7 @@ def test_negative_control_one_noise_for_every_position_breaks_the_distribution(v
     assert ok, msg
     real = position_noise
     monkeypatch.setattr(
-        "specdecode.sampling.position_noise", lambda seed, position, vocab: real(seed, 0, vocab)
+        "specdecode.core.sampling.position_noise", lambda seed, position, vocab: real(seed, 0, vocab)
     )
     ok, msg = check_distribution(pairs(), joint)
     assert not ok, msg

@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from specdecode import SamplingParams, SpeculativeGenerator, load  # noqa: E402
-from specdecode.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome  # noqa: E402
+from specdecode.engine.policy import FixedPolicy, LoadAwarePolicy, LoadCosts, OnlineCosts, RoundOutcome  # noqa: E402
 from specdecode.serve import Server  # noqa: E402
 from specdecode.serve.loop import EngineLoop, Job  # noqa: E402
 from specdecode.serve.metrics import Metrics  # noqa: E402

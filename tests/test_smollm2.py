@@ -156,7 +156,7 @@ def test_smollm2_bf16_ngram_greedy_equals_target_only_alone_and_batched():
 def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant(method):
     """The bundled drafter is found by the target's name, drafts (some tokens accepted) and keeps
     the target's greedy tokens: bf16 with --batch-invariant, alone and in a batch."""
-    from specdecode.options import method_heads
+    from specdecode.opener import method_heads
 
     target = load("smollm2-135m", dtype=torch.bfloat16)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
@@ -178,7 +178,7 @@ def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant
 def test_smollm2_invariant_rule_seeded_samples_equal_target_only_bf16():
     """Seeded T = 1 under the invariant rule, bf16 batch-invariant: EAGLE-3 (chain and tree)
     gives target-only's text, alone and in one batch."""
-    from specdecode.options import method_heads
+    from specdecode.opener import method_heads
 
     target = load("smollm2-135m", dtype=torch.bfloat16)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
@@ -212,7 +212,7 @@ def test_smollm2_chunked_and_prefix_cached_prefills_write_the_bits_of_a_whole_on
     many queries share the call: chunked prefill then changed the cache), and the server's
     default method (auto: EAGLE-3 + suffix) answers the same with and without the cache."""
     from specdecode.models.base import extend
-    from specdecode.options import method_heads
+    from specdecode.opener import method_heads
 
     target = load("smollm2-135m", dtype=torch.bfloat16)
     system = {"role": "system", "content": "You are a careful assistant. Keep answers short. " * 3}

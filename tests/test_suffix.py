@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator, load
-from specdecode.drafters.suffix import SuffixCache, process_cache, suffix_draft
+from specdecode.drafters.suffix import SuffixCache, suffix_draft
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 10)] * 3 for i in range(6)]
@@ -41,20 +41,38 @@ def test_suffix_cache_holds_at_most_its_bound_dropping_the_oldest():
 def test_suffix_drafts_from_an_earlier_requests_output(pair_dir):
     """The second run of a prompt drafts the first run's answer: nearly every token accepted."""
     target = load(pair_dir[0], dtype=torch.float64)
-    process_cache(target).clear()
     gen = SpeculativeGenerator(target, k=4, method="suffix")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     first = gen.generate([prompt], GREEDY)[0]
     second = gen.generate([prompt], GREEDY)[0]
     assert second.token_ids == first.token_ids
     assert second.stats.accepted > first.stats.accepted and second.stats.rounds <= 6
+    gen.forget()  # forgotten: the third run drafts as the first did
+    third = gen.generate([prompt], GREEDY)[0]
+    assert third.token_ids == first.token_ids and third.stats.accepted == first.stats.accepted
+
+
+def test_a_fresh_generator_does_not_draft_from_another_generators_answers(pair_dir):
+    """The cache of earlier requests belongs to the generator (its drafter): a new generator on the
+    same target starts empty, unless it is given the other's cache on purpose (suffix_cache)."""
+    target = load(pair_dir[0], dtype=torch.float64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = SpeculativeGenerator(target, k=4, method="suffix")
+    answer = first.generate([prompt], GREEDY)[0]
+    for method in ("suffix", "auto"):
+        fresh = SpeculativeGenerator(target, k=4, method=method).generate([prompt], GREEDY)[0]
+        assert fresh.token_ids == answer.token_ids
+        assert fresh.stats.accepted == answer.stats.accepted  # drafted only from its own context
+    shared = SpeculativeGenerator(target, k=4, method="suffix", suffix_cache=first.drafter.cache)
+    again = shared.generate([prompt], GREEDY)[0]
+    assert again.token_ids == answer.token_ids and again.stats.accepted > answer.stats.accepted
 
 
 def test_a_draft_chain_whose_rows_all_have_limit_0_proposes_nothing():
     """auto can hand every row that still needs its model drafter a limit of 0 (the others take
     suffix drafts); the chain then proposes an empty draft instead of failing."""
+    from specdecode.core.sampling import Warp
     from specdecode.drafters.base import DraftChain, DraftContext
-    from specdecode.sampling import Warp
 
     ctx = DraftContext(torch.zeros(2, 8, dtype=torch.long), torch.tensor([3, 4]), Warp.greedy(2), None)
     proposal = DraftChain(ctx, torch.zeros(2, dtype=torch.long), None).proposal()

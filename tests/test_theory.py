@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specdecode import theory
+from specdecode.core import theory
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import torch
 
 from helpers import check_distribution
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load
+from specdecode.core.tree import TokenTree, verify_tree
 from specdecode.models.base import ForwardMeta, logits_of
 from specdecode.models.init import init_model
-from specdecode.tree import TokenTree, verify_tree
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in range(8)]

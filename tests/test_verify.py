@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import check_distribution
-from specdecode.sampling import SamplingParams, Warp, logits_to_probs, sample
-from specdecode.verify import verify_chain, verify_greedy
+from specdecode.core.sampling import SamplingParams, Warp, logits_to_probs, sample
+from specdecode.engine.verify import verify_chain, verify_greedy
 
 N = 200_000
 V = 32

@@ -10,17 +10,17 @@ The core needs only torch, tokenizers, safetensors and numpy; the lab, bench, tr
 transformers adapter import their libraries when used (extras: specdecode[lab,bench,train,hf]).
 """
 
-from .config import SpecConfig
+from .core.config import SpecConfig
+from .core.sampling import SamplingParams, logits_to_probs
 from .drafters import DRAFTERS, Drafter
-from .emit import GenerationResult, RoundEvent
 from .engine import Generation, SpeculativeGenerator
+from .engine.emit import GenerationResult, RoundEvent
+from .engine.policy import CostModel
+from .engine.stats import GenerationStats
+from .engine.verify import verify_chain, verify_greedy
 from .errors import SpecDecodeError
 from .models import load
 from .opener import open  # noqa: A004, F401 (specdecode.open, like gzip.open; not in __all__)
-from .policy import CostModel
-from .sampling import SamplingParams, logits_to_probs
-from .stats import GenerationStats
-from .verify import verify_chain, verify_greedy
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .core.theory import expected_tokens_per_round
 from .errors import SpecDecodeError
-from .theory import expected_tokens_per_round
 
 STYLE = {"accepted": "green", "resampled": "yellow", "bonus": "bold magenta"}
 
@@ -64,9 +64,9 @@ def run_demo(
     console: Console | None = None,
 ) -> list[dict]:
     """Run every bundled pair that is present; return the table rows."""
+    from .core.sampling import SamplingParams
     from .engine import SpeculativeGenerator
     from .models import load, models_dir
-    from .sampling import SamplingParams
 
     console = console or Console()
     pairs = [
@@ -172,21 +172,17 @@ PAIR_METHODS = ("draft", "suffix", "auto")
 def _method_table(console: Console, target, gens: dict, chats: list, params, title: str) -> list[dict]:
     """Every generator on every chat, interleaved (the order rotates per prompt) after a warm-up;
     print and return rows of tokens/s, tau and the speed-up over gens['target-only']."""
-    from .drafters.suffix import clear_process_caches
-    from .sampling import SamplingParams
-
-    for g in gens.values():  # warm-up
+    from .core.sampling import SamplingParams
+    for g in gens.values():  # warm-up, then forgotten: no timed run drafts from a warm-up's answer
         g.generate(
             [chats[0]], SamplingParams(temperature=params.temperature, max_new_tokens=8, seed=params.seed)
         )
+        g.forget()
     stats: dict[str, list] = {name: [] for name in gens}
     outputs: dict[str, list] = {name: [] for name in gens}
     for i, chat in enumerate(chats):
         names = list(gens)
         for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
-            # the suffix cache holds this process's earlier answers: cleared, so that no method
-            # copies another method's answer to the same prompt
-            clear_process_caches()
             (res,) = gens[name].generate([chat], params)
             stats[name].append(res.stats)
             outputs[name].append(list(res.token_ids))
@@ -255,10 +251,10 @@ def run_chat_demo(
     interleaved in this one process after a warm-up, with tokens/s, tau and the speed-up."""
     import torch
 
+    from .core.sampling import SamplingParams
     from .engine import SpeculativeGenerator
     from .models import load
-    from .options import method_heads
-    from .sampling import SamplingParams
+    from .opener import method_heads
 
     console = console or Console()
     target = load(CHAT_MODEL, dtype=torch.bfloat16)
@@ -314,10 +310,10 @@ def run_pair_demo(
     forward. When the fastest target-only format differs from the speculative target's, target-only
     runs in both: the speed-up is over the faster, 'same tokens' compares with the same format's."""
     from .autotune import best_step
+    from .core.sampling import SamplingParams
     from .engine import SpeculativeGenerator
     from .models import load
     from .opener import open_models
-    from .sampling import SamplingParams
 
     console = console or Console()
     with console.status(f"loading {PAIR_TARGET} and {PAIR_DRAFT} (formats: measured once per machine)"):

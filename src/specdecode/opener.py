@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .autotune import TARGET_CANDIDATES, Choice, Shapes, choose
-from .config import SpecConfig
+from .core.config import SpecConfig
 from .errors import SpecDecodeError
 from .formats import AUTO, BACKENDS, FORMATS, check_format, weight_format
 from .models.draft_vocab import FULL, vocab_size
@@ -178,7 +178,6 @@ def open_models(
     import torch
 
     from .models import load, resolve, resolve_device
-    from .options import method_heads
 
     log = log if log is not None else (lambda line: print(line, file=sys.stderr))
     target = str(target)
@@ -270,3 +269,34 @@ def open(target: str, *, draft: str | None = None, method: str | None = None, **
     gen = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
     gen.choice = loaded.choice
     return gen
+
+
+def method_heads(target: str, method: str | None, heads: str | None, draft: str | None = None) -> Path | None:
+    """The trained drafter a method reads: required for medusa, eagle and eagle3; for auto the
+    bundled (or given) EAGLE-3 drafter when there is one and no draft model is given."""
+    if method in ("medusa", "eagle", "eagle3"):
+        return heads_dir(target, method, heads)
+    if method == "auto" and draft and not heads:
+        return None  # auto's model drafter is the draft model
+    if method == "auto":
+        try:
+            return heads_dir(target, "eagle3", heads)
+        except SpecDecodeError:
+            return None
+    if heads:
+        raise SpecDecodeError(f"--heads is read by methods medusa, eagle, eagle3 and auto, not {method!r}")
+    return None
+
+
+def heads_dir(target: str, method: str, heads: str | None) -> Path:
+    """--heads, or the drafter bundled for the target (models/<family>/<method>, or
+    models/<name>/<method> for a known name such as smollm2-135m)."""
+    from .models import ZOO, models_dir, resolve
+
+    if heads:
+        return Path(heads)
+    bundled = (models_dir() / target if target in ZOO else resolve(target).parent) / method
+    if not (bundled / "config.json").exists():
+        what = {"medusa": "Medusa heads", "eagle3": "EAGLE-3 drafter"}.get(method, "EAGLE drafter")
+        raise SpecDecodeError(f"no {what} for {target}; pass --heads DIR (see train-heads)")
+    return bundled

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .core.theory import expected_tokens_per_round_positions
 from .errors import SpecDecodeError
 from .roofline import (
     DTYPE_BYTES,
@@ -18,7 +19,6 @@ from .roofline import (
     spec_from_config,
     spec_from_path,
 )
-from .theory import expected_tokens_per_round_positions
 
 # Public Hugging Face configs (architecture facts only).
 _CONFIGS = {

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..core.theory import expected_speedup
 from ..engine import SpeculativeGenerator
 from ..errors import SpecDecodeError
 from ..models import load, resolve
-from ..theory import expected_speedup
 from .prompts import SETS, prompts
 from .runners import OursRunner, Run, Runner, TransformersRunner, load_transformers, synchronize
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.suffix import clear_process_caches
 from ..engine import SpeculativeGenerator
 from ..errors import SpecDecodeError
 from ..models import ZOO, resolve
@@ -140,7 +139,7 @@ class ModelBenchConfig:
         if cfg.method is None and cfg.draft is not None:
             cfg.method = "draft"
         # the drafting options, checked before any model is loaded
-        from ..config import SpecConfig
+        from ..core.config import SpecConfig
         from ..drafters import DRAFTERS
 
         SpecConfig(
@@ -195,7 +194,7 @@ def _gguf_of(target: str, path: Path) -> Path | None:
 
 
 def _runners(cfg: ModelBenchConfig, loaded, dtype: torch.dtype, log) -> list[Runner]:
-    from ..options import method_heads
+    from ..opener import method_heads
 
     rule = cfg.sampling_rule
     target, inv = loaded.target, loaded.config.batch_invariant
@@ -289,7 +288,7 @@ def _batched_outputs(runner: Runner, prompts: list[list[int]], cfg: ModelBenchCo
     return out
 
 
-def _encode(target, prompt: dict, chat: bool) -> list[int]:
+def encode_prompt(target, prompt: dict, chat: bool) -> list[int]:
     tok = target.tokenizer
     if tok is None:
         raise SpecDecodeError(f"{target.path} has no tokenizer; bench needs text prompts")
@@ -318,9 +317,8 @@ def _pass_at_1(target, prompts: list[dict], runs: dict[str, list[Run]], chat: bo
     }
 
 
-def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
-    from ..opener import open_models
-
+def _select_prompts(cfg: ModelBenchConfig) -> tuple[list[str], dict[str, list[dict]]]:
+    """The categories to run, in order, and their prompts (checked: an unknown --category is an error)."""
     prompts = read_prompts(cfg.prompts)
     known = sorted({p["category"] for p in prompts})
     for c in cfg.categories:
@@ -333,6 +331,67 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     by_cat = {c: [p for p in prompts if p["category"] == c] for c in chosen}
     if cfg.per_category:
         by_cat = {c: ps[: cfg.per_category] for c, ps in by_cat.items()}
+    return chosen, by_cat
+
+
+def _summary(cfg: ModelBenchConfig, rs: dict[str, list[Run]]) -> dict:
+    """Tokens/s, tau and speed-ups of each runner over these runs, with greedy identity checks."""
+    out: dict = {"runners": {}}
+    for name, lst in rs.items():
+        tokens, secs, fwd = (
+            sum(r.tokens for r in lst),
+            sum(r.seconds for r in lst),
+            sum(r.forwards for r in lst),
+        )
+        out["runners"][name] = {
+            "tokens": tokens,
+            "seconds": round(secs, 4),
+            "tokens_per_s": round(tokens / secs, 3) if secs else None,
+            "tau": round(tokens / fwd, 3) if fwd else None,
+        }
+    rate = {name: v["tokens_per_s"] for name, v in out["runners"].items()}
+    ours_base = rate["ours target-only"]
+    out["speedup_vs_ours_target_only"] = {n: round(v / ours_base, 3) for n, v in rate.items()}
+    if "transformers generate" in rate:
+        base = rate["transformers generate"]
+        out["speedup_vs_transformers_generate"] = {n: round(v / base, 3) for n, v in rate.items()}
+        lookup = next((n for n in rate if n.startswith("transformers prompt lookup")), None)
+        if lookup and cfg.method:
+            ours = f"ours {cfg.method} ({cfg.policy})"
+            out["ours_method_vs_transformers_lookup"] = round(rate[ours] / rate[lookup], 3)
+        if cfg.temperature == 0:
+            ref = [r.token_ids for r in rs["transformers generate"]]
+            out["greedy_identical_to_transformers"] = {
+                n: f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
+                for n, lst in rs.items()
+                if n.startswith("ours")
+            }
+    if _fixed_text(cfg) and cfg.method:
+        # speculation must not change greedy output (nor a seeded sample under the invariant
+        # rule): every method against our own target-only
+        ref = [r.token_ids for r in rs["ours target-only"]]
+        lst = rs[f"ours {cfg.method} ({cfg.policy})"]
+        out["greedy_identical_to_ours_target_only"] = (
+            f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
+        )
+        out["divergences"] = {"plain": sum(a.token_ids != b for a, b in zip(lst, ref))}
+        if cfg.invariance:
+            ref = [r.token_ids for r in rs[INV_BASE]]
+            lst = rs[_inv_method(cfg)]
+            out["divergences"]["batch_invariant"] = sum(a.token_ids != b for a, b in zip(lst, ref))
+    if cfg.invariance:
+        # tokens/s of the invariant runs over the plain ones (1.0 = free)
+        out["invariance_cost"] = {"target_only": round(rate[INV_BASE] / ours_base, 3)}
+        if cfg.method:
+            plain = rate[f"ours {cfg.method} ({cfg.policy})"]
+            out["invariance_cost"]["method"] = round(rate[_inv_method(cfg)] / plain, 3)
+    return out
+
+
+def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
+    from ..opener import open_models
+
+    chosen, by_cat = _select_prompts(cfg)
 
     rss0 = _rss_mb()
     loaded = open_models(
@@ -348,7 +407,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     target, dtype = loaded.target, loaded.target.dtype
     cfg.dtype = loaded.choice.target
     rss_model = _rss_mb() - rss0
-    ids = {c: [_encode(target, p, cfg.chat) for p in ps] for c, ps in by_cat.items()}
+    ids = {c: [encode_prompt(target, p, cfg.chat) for p in ps] for c, ps in by_cat.items()}
     runners = _runners(cfg, loaded, dtype, log)
 
     # runtime: verification cost, memory floor, memory
@@ -376,7 +435,8 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
     warm = ids[chosen[0]][0][:64]
     for r in runners:  # warm-up: one short run each
         r.run(warm, cfg.temperature, 8, cfg.seed)
-    clear_process_caches()  # suffix / auto: no timed run drafts from a warm-up's output
+    for r in runners:  # suffix / auto: no timed run drafts from a warm-up's output
+        r.forget()
     runs: dict[str, dict[str, list[Run]]] = {c: {r.name: [] for r in runners} for c in chosen}
     work = [(c, i) for c in chosen for i in range(len(ids[c]))]
     for n, (c, i) in enumerate(bar(work, "benchmarking", enabled=cfg.progress)):
@@ -384,59 +444,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
         for r in order:
             runs[c][r.name].append(r.run(ids[c][i], cfg.temperature, cfg.max_new_tokens, cfg.seed + i))
 
-    def summary(rs: dict[str, list[Run]]) -> dict:
-        out: dict = {"runners": {}}
-        for name, lst in rs.items():
-            tokens, secs, fwd = (
-                sum(r.tokens for r in lst),
-                sum(r.seconds for r in lst),
-                sum(r.forwards for r in lst),
-            )
-            out["runners"][name] = {
-                "tokens": tokens,
-                "seconds": round(secs, 4),
-                "tokens_per_s": round(tokens / secs, 3) if secs else None,
-                "tau": round(tokens / fwd, 3) if fwd else None,
-            }
-        rate = {name: v["tokens_per_s"] for name, v in out["runners"].items()}
-        ours_base = rate["ours target-only"]
-        out["speedup_vs_ours_target_only"] = {n: round(v / ours_base, 3) for n, v in rate.items()}
-        if "transformers generate" in rate:
-            base = rate["transformers generate"]
-            out["speedup_vs_transformers_generate"] = {n: round(v / base, 3) for n, v in rate.items()}
-            lookup = next((n for n in rate if n.startswith("transformers prompt lookup")), None)
-            if lookup and cfg.method:
-                ours = f"ours {cfg.method} ({cfg.policy})"
-                out["ours_method_vs_transformers_lookup"] = round(rate[ours] / rate[lookup], 3)
-            if cfg.temperature == 0:
-                ref = [r.token_ids for r in rs["transformers generate"]]
-                out["greedy_identical_to_transformers"] = {
-                    n: f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
-                    for n, lst in rs.items()
-                    if n.startswith("ours")
-                }
-        if _fixed_text(cfg) and cfg.method:
-            # speculation must not change greedy output (nor a seeded sample under the invariant
-            # rule): every method against our own target-only
-            ref = [r.token_ids for r in rs["ours target-only"]]
-            lst = rs[f"ours {cfg.method} ({cfg.policy})"]
-            out["greedy_identical_to_ours_target_only"] = (
-                f"{sum(a.token_ids == b for a, b in zip(lst, ref))}/{len(ref)}"
-            )
-            out["divergences"] = {"plain": sum(a.token_ids != b for a, b in zip(lst, ref))}
-            if cfg.invariance:
-                ref = [r.token_ids for r in rs[INV_BASE]]
-                lst = rs[_inv_method(cfg)]
-                out["divergences"]["batch_invariant"] = sum(a.token_ids != b for a, b in zip(lst, ref))
-        if cfg.invariance:
-            # tokens/s of the invariant runs over the plain ones (1.0 = free)
-            out["invariance_cost"] = {"target_only": round(rate[INV_BASE] / ours_base, 3)}
-            if cfg.method:
-                plain = rate[f"ours {cfg.method} ({cfg.policy})"]
-                out["invariance_cost"]["method"] = round(rate[_inv_method(cfg)] / plain, 3)
-        return out
-
-    categories = {c: {"prompts": len(ids[c]), **summary(runs[c])} for c in chosen}
+    categories = {c: {"prompts": len(ids[c]), **_summary(cfg, runs[c])} for c in chosen}
     if cfg.temperature == 0:
         for c in chosen:
             if all("task" in p for p in by_cat[c]):
@@ -453,7 +461,7 @@ def run_model_bench(cfg: ModelBenchConfig, log=print) -> dict:
                 "prompts": sum(f is not None for f in firsts),
                 "first_difference": [f for f in firsts if f is not None],
             }
-    overall = summary({r.name: [x for c in chosen for x in runs[c][r.name]] for r in runners})
+    overall = _summary(cfg, {r.name: [x for c in chosen for x in runs[c][r.name]] for r in runners})
     if "batch8_divergences" in categories[chosen[0]]:
         overall["batch8_divergences"] = sum(categories[c]["batch8_divergences"]["prompts"] for c in chosen)
     ours_tps = overall["runners"]["ours target-only"]["tokens_per_s"]

@@ -37,8 +37,8 @@ def prompts(family: str, name: str, target=None, count: int = 4) -> list[str]:
         return list(CODE[:count])
     if name != "edit":
         raise ValueError(f"unknown prompt set {name!r}")
+    from ..core.sampling import SamplingParams
     from ..engine import SpeculativeGenerator
-    from ..sampling import SamplingParams
 
     openings = list((CODE if family == "python-code" else PROSE)[:count])
     params = SamplingParams(temperature=0, max_new_tokens=96, ignore_eos=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..core.sampling import SamplingParams
 from ..engine import SpeculativeGenerator
-from ..sampling import SamplingParams
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Runner:
     def run(self, ids: list[int], temperature: float, max_new: int, seed: int) -> Run:
         raise NotImplementedError
 
+    def forget(self) -> None:
+        """Forget earlier runs' answers (ours: the suffix cache; the others keep none)."""
+
 
 class OursRunner(Runner):
     def __init__(
@@ -66,6 +69,9 @@ class OursRunner(Runner):
             ignore_eos=True,
             sampling_rule=self.sampling_rule,
         )
+
+    def forget(self) -> None:
+        self.gen.forget()
 
     def run(self, ids: list[int], temperature: float, max_new: int, seed: int) -> Run:
         params = self.params(temperature, max_new, seed)

@@ -15,10 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..core.sampling import SamplingParams
 from ..engine import SpeculativeGenerator
 from ..lab.common import PROMPTS as PROSE
 from ..models import load
-from ..sampling import SamplingParams
 from .harness import FAMILIES, check_families_and_k
 from .prompts import CODE
 

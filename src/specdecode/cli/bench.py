@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..options import DTYPE_HELP, WEIGHT_FORMATS, add_sampling_rule_flag, add_spec_flags
+from ..formats import WEIGHT_FORMATS
+from .options import DTYPE_HELP, add_sampling_rule_flag, add_spec_flags
 
 
 def register(sub) -> None:

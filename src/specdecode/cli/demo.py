@@ -61,8 +61,8 @@ def register(sub) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from ..core.sampling import SamplingParams
     from ..demo import run_demo
-    from ..sampling import SamplingParams
 
     args.k = args.k if args.k is not None else (2 if args.small else 4)
     if args.k < 1:

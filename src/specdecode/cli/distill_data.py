@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import DTYPES
+from ..formats import DTYPES
 
 
 def register(sub) -> None:

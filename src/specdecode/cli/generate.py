@@ -9,17 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..options import (
-    DTYPES,
-    add_format_flags,
-    add_sampling_rule_flag,
-    add_spec_flags,
-    heads_dir,
-    method_heads,
-    spec_config,
-)
-
-__all__ = ["DTYPES", "heads_dir", "method_heads", "register"]  # the last three moved to ..options
+from .options import add_format_flags, add_sampling_rule_flag, add_spec_flags, spec_config
 
 
 def register(sub) -> None:
@@ -67,8 +57,8 @@ def register(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ..core.sampling import SamplingParams
     from ..opener import check_draft_dtype
-    from ..sampling import SamplingParams
 
     # validate everything cheap before loading any model
     if args.prompt == "":
@@ -91,9 +81,9 @@ def _generate(args: argparse.Namespace) -> int:
         sampling_rule=args.sampling_rule,
     )
     from ..engine import SpeculativeGenerator
+    from ..engine.policy import CostModel
+    from ..engine.stats import GenerationStats
     from ..opener import open_models, spec_fields
-    from ..policy import CostModel
-    from ..stats import GenerationStats
 
     if args.system is not None and not args.chat:
         raise SpecDecodeError("--system needs --chat")

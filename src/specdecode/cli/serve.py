@@ -7,15 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..options import (
-    BACKENDS,
-    DTYPE_HELP,
-    SAMPLING_RULE_HELP,
-    WEIGHT_FORMATS,
-    add_spec_flags,
-    spec_config,
-)
-from ..sampling import SAMPLING_RULES
+from .options import add_format_flags, add_sampling_rule_flag, add_spec_flags, spec_config
 
 
 def register(sub) -> None:
@@ -67,28 +59,16 @@ def register(sub) -> None:
         "--max-tokens", type=int, default=256, help="max_tokens when a chat request gives none (default 256)"
     )
     s.add_argument("--served-model-name", metavar="NAME", help="the model id clients use (default: --target)")
-    s.add_argument(
-        "--dtype",
-        default=None,
-        choices=("auto", *WEIGHT_FORMATS),
-        metavar="FORMAT",
-        help=DTYPE_HELP,
+    add_format_flags(
+        s,
+        invariant_help="a request's tokens do not depend on what else runs beside it: greedy and seeded "
+        "requests give the same answer under any load (default on for our lean runtime on CPU; "
+        "--no-batch-invariant: the plain forward, faster, about 14%% in bf16 here)",
     )
-    s.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    s.add_argument(
-        "--no-batch-invariant",
-        action="store_true",
-        help="use the plain forward (faster, about 14%% in bf16 here) at the price of a request's output "
-        "depending on its batch mates; by default a greedy or seeded request gives the same tokens whatever "
-        "else is running",
-    )
-    s.add_argument(
-        "--sampling-rule",
+    add_sampling_rule_flag(
+        s,
         default="auto",
-        choices=("auto", *SAMPLING_RULES),
-        help="the sampling rule of requests that name none (the request field sampling_rule wins): "
-        "auto (default: invariant for a seeded request, so its seed gives the same answer whatever "
-        "the load, the cache or the drafter; standard otherwise), standard, invariant. " + SAMPLING_RULE_HELP,
+        extra="the rule of requests that name none (the request field sampling_rule wins; default auto)",
     )
     s.add_argument(
         "--no-load-aware",
@@ -132,9 +112,6 @@ def register(sub) -> None:
         help="keep the round costs measured at start (default: correct them from the rounds the server "
         "runs, so drafting turns itself off where it does not pay in service, and back on)",
     )
-    s.add_argument(
-        "--backend", default="auto", choices=BACKENDS, help="model runtime (default auto)"
-    )
     s.set_defaults(func=_serve)
 
 
@@ -172,9 +149,9 @@ def build(args: argparse.Namespace):
     """The generator and server for these arguments (calibrated when load-aware)."""
 
     from ..engine import SpeculativeGenerator
+    from ..engine.policy import LoadCosts, OnlineCosts
     from ..models import ZOO
     from ..opener import open_models, spec_fields
-    from ..policy import LoadCosts, OnlineCosts
 
     zoo = args.target in ZOO
     method = args.method if args.method is not None else ("auto" if zoo and not args.draft else None)
@@ -194,7 +171,7 @@ def build(args: argparse.Namespace):
         draft_dtype=args.draft_dtype,
         backend=args.backend,
         device=args.device,
-        batch_invariant=False if args.no_batch_invariant else None,
+        batch_invariant=args.batch_invariant,
         log=lambda line: print(line.replace("specdecode:", "specdecode serve:", 1), file=sys.stderr),
         **options,
     )
@@ -264,7 +241,7 @@ def calibrate(gen, sizes: list[int]):
         if sys.stderr.isatty():
             print(f"\r  {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-    from ..calibrate import measure_load_costs
+    from ..engine.calibrate import measure_load_costs
 
     return measure_load_costs(gen.spec, sizes, progress=progress)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..core.draft_context import DraftContext
+from ..core.proposal import Proposal
 from ..errors import SpecDecodeError
 from .auto import AutoDrafter
-from .base import DraftChain, DraftContext, Drafter, TargetNeeds
+from .base import DraftChain, Drafter, TargetNeeds
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
@@ -17,7 +19,7 @@ from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
 if TYPE_CHECKING:
-    from ..config import SpecConfig
+    from ..core.config import SpecConfig
     from ..models.base import CausalLM
 
 DRAFTERS: dict[str, type[Drafter]] = {
@@ -71,6 +73,7 @@ __all__ = [
     "MedusaDrafter",
     "MedusaHeads",
     "NgramDrafter",
+    "Proposal",
     "TargetNeeds",
     "make_drafter",
 ]

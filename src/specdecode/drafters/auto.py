@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.proposal import Proposal
 from ..errors import SpecDecodeError
-from ..verify import Proposal
 from .base import NOTHING, DraftContext, Drafter, TargetNeeds
 from .suffix import SuffixDrafter, one_hot_proposal
 
@@ -43,6 +43,9 @@ class AutoDrafter(Drafter):
         else:
             inner = Eagle3Drafter(target, config.heads) if config.heads is not None else None
         return cls(SuffixDrafter.create(target, None, config), inner)
+
+    def forget(self) -> None:
+        self.suffix.forget()
 
     def target_needs(self) -> TargetNeeds:
         return self.inner.target_needs() if self.inner is not None else NOTHING

@@ -13,37 +13,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..core.draft_context import DraftContext
+from ..core.proposal import Proposal
+from ..core.sampling import logits_to_probs, sample
 from ..errors import SpecDecodeError
 from ..models.base import chunk_steps
-from ..sampling import RowRandom, Warp, logits_to_probs, sample
-from ..verify import Proposal
 
 if TYPE_CHECKING:
-    from ..config import SpecConfig
+    from ..core.config import SpecConfig
+    from ..core.tree import TokenTree
     from ..models.base import Cache, CausalLM
-    from ..tree import TokenTree
-
-
-@dataclass
-class DraftContext:
-    """What a drafter sees of the running batch: the tokens so far and how to sample."""
-
-    tokens: torch.Tensor  # [B, capacity] long: prompt + generated tokens per row
-    lengths: torch.Tensor  # [B] long: tokens per row; the last is pending (not yet in the target cache)
-    warp: Warp  # per-row sampling parameters
-    rng: RowRandom | None  # per-row generators (None: a greedy context, nothing is drawn)
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.tokens.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.tokens.device
 
 
 @dataclass(frozen=True)
@@ -159,6 +138,10 @@ class Drafter:
 
     def add_rows(self, state: Any, new: Any) -> None:
         """Append the rows of `new`, a state start() made for rows admitted between rounds."""
+
+    def forget(self) -> None:
+        """Forget what earlier requests taught this drafter (the suffix drafter's cache of their
+        prompts and answers); drafters that learn nothing across requests have nothing to do."""
 
 
 class DraftChain:

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
+from ..core.proposal import Proposal
+from ..core.tree import TokenTree
 from ..errors import SpecDecodeError
 from ..models.base import Cache, CausalLM, ForwardMeta, extend
-from ..prefix import BLOCK
-from ..tree import TokenTree
-from ..verify import Proposal
+from ..models.cache import BLOCK, KVCache
 from .base import DraftChain, DraftContext, Drafter, TreeDraw, weights_dtype_of
 
 

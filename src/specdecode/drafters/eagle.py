@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..core.proposal import Proposal
 from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
+from ..models.cache import BLOCK
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.quant import quantized_linear
-from ..prefix import BLOCK
-from ..verify import Proposal
 from .base import (
     DraftChain,
     DraftContext,

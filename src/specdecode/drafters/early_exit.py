@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ..core.proposal import Proposal
 from ..errors import SpecDecodeError
 from ..models.base import Cache, ForwardMeta
-from ..verify import Proposal
 from .base import DraftChain, DraftContext, Drafter, require_lean
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..core.proposal import Proposal
+from ..core.tree import TokenTree
 from ..errors import SpecDecodeError
 from ..models.quant import quantized_linear
-from ..tree import TokenTree
-from ..verify import Proposal
 from .base import DraftChain, DraftContext, Drafter, TreeDraw, require_lean, weights_dtype_of
 
 KIND = "specdecode-medusa-heads"

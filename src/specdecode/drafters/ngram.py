@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.proposal import Proposal
 from ..errors import SpecDecodeError
-from ..verify import Proposal
 from .base import DraftContext, Drafter
 
 

@@ -13,6 +13,11 @@ reaches `factor` x the match length (SuffixDecoding's adaptive speculation lengt
 al. 2024). The proposal is a deterministic function of the context and the cache, which this
 row's future random draws never touch, so verification with one-hot draft probabilities is
 exact (as for prompt lookup).
+
+The cache of earlier requests belongs to the drafter, hence to the generator that holds it: a
+server (one generator) drafts from every earlier request it served; a fresh generator starts
+empty. Generators that should learn from each other are given one cache on purpose
+(SpecConfig.suffix_cache); `SpeculativeGenerator.forget()` empties a generator's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..verify import Proposal
+from ..core.proposal import Proposal
 from .base import DraftContext, Drafter
 
 MIN_MATCH = 3  # the n-gram that indexes occurrences
@@ -66,24 +71,6 @@ class SuffixCache:
 
     def clear(self) -> None:
         self.__init__(self.max_tokens)
-
-
-_CACHES: dict[tuple, SuffixCache] = {}
-
-
-def process_cache(target, max_tokens: int = 1_000_000) -> SuffixCache:
-    """The per-process cache of earlier requests for this target's vocabulary."""
-    key = (str(getattr(target, "path", "")), getattr(target, "vocab_size", 0))
-    if key not in _CACHES:
-        _CACHES[key] = SuffixCache(max_tokens)
-    return _CACHES[key]
-
-
-def clear_process_caches() -> None:
-    """Forget every earlier request (benchmarks call this after their warm-up runs, so that no
-    timed run drafts from a warm-up's output of the same prompt)."""
-    for cache in _CACHES.values():
-        cache.clear()
 
 
 def _match_length(seq: np.ndarray, end: int, context: np.ndarray) -> int:
@@ -140,7 +127,7 @@ class SuffixDrafter(Drafter):
     """Drafts up to max(limits[b], max_tokens) tokens per row from the suffix match (only
     limits[b] when a policy caps the row below the configured k, e.g. the server's load-aware
     cap); a row without a match drafts nothing that round. Each finished row's prompt and output join the
-    process's cache, so later requests can draft from them."""
+    drafter's cache, so later requests can draft from them."""
 
     name = "suffix"
 
@@ -157,7 +144,12 @@ class SuffixDrafter(Drafter):
 
     @classmethod
     def create(cls, target, draft, config) -> SuffixDrafter:
-        return cls(process_cache(target), config.suffix_max, k=config.k)
+        cache = config.suffix_cache if config.suffix_cache is not None else SuffixCache()
+        return cls(cache, config.suffix_max, k=config.k)
+
+    def forget(self) -> None:
+        if self.cache is not None:
+            self.cache.clear()
 
     def start(self, ctx: DraftContext, target_cache) -> SuffixState:
         return SuffixState(ctx.tokens, ctx.lengths.tolist(), [0] * ctx.size)

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import torch
 
+from ..core.sampling import SamplingParams
+from ..core.theory import expected_tokens_per_round
 from ..engine import SpeculativeGenerator
-from ..sampling import SamplingParams
-from ..stats import GenerationStats
-from ..theory import expected_tokens_per_round
+from ..engine.stats import GenerationStats
 from .common import LabConfig, LabResult, Table, label, new_figure
 
 

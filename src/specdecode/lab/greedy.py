@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ..core.sampling import SamplingParams
 from ..engine import SpeculativeGenerator
-from ..sampling import SamplingParams
 from .common import LabConfig, LabResult, Table, label, new_figure, plot_label
 
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.sampling import SamplingParams
+from ..core.theory import expected_tokens_per_round, resample_from_target_tv, tokens_per_round_without_bonus
 from ..engine import SpeculativeGenerator
+from ..engine.stats import GenerationStats
+from ..engine.verify import verify_chain
 from ..models import load
-from ..sampling import SamplingParams
-from ..stats import GenerationStats
-from ..theory import expected_tokens_per_round, resample_from_target_tv, tokens_per_round_without_bonus
-from ..verify import verify_chain
 from .common import LabConfig, LabResult, Table, new_figure, next_token_probs
 from .rules import scheme_resample_from_p, scheme_residual
 from .stats import noise_tvs, tv
@@ -190,7 +190,49 @@ def run(cfg: LabConfig, out: str | None = None) -> LabResult:
         }
         for a in (1.0, 0.5)
     ]
-    tables = [
+    tables = _tables(info, sim, sweep, scenes, bias, hw, hw3, seeds)
+    checks = {
+        "simulation_matches_theory": all(
+            abs(s["measured_given_reached"] - s["theory_given_reached"])
+            <= 4 * (s["theory_given_reached"] * (1 - s["theory_given_reached"]) / max(s["reached"], 1)) ** 0.5
+            for s in sim
+        ),
+        "homework_measured_matches_right_formula": abs(hw["measured"] - hw["right_formula"])
+        < 4 * hw["measured_stderr"],
+        "residual_tv_below_noise_p99": bias["residual_tv"] < bias["noise_tv_p99"],
+    }
+    return LabResult(
+        "lesson2",
+        "7. lesson 2: the toy pattern, the per-position simulation, the K sweep, and two corrections",
+        "Lesson 001 trains a small and a large model on a repeating pattern, where both are nearly "
+        "certain of the next token, so drafts are almost always accepted and tokens per call climb "
+        "towards K + 1. Its per-position simulation prints min(1, p/q) beside how often each position "
+        "was accepted over all rounds; those are different quantities (the second is a product), so "
+        "both are shown. Two of its statements are wrong and are measured here through our verifier: "
+        "resampling a rejected token from p biases the output (when draft and target disagree), and "
+        "the expected tokens per round is (1 − α^(K+1))/(1 − α), not (1 − α^K)/(1 − α).",
+        "lesson 001: draft d=32 × 2 layers, target d=64 × 4 layers on the pattern (i + j) mod 8; 1,000 "
+        "trials for the per-position table; K ∈ {2, 3, 4, 5, 6, 8}; homework 2 expects 4.096 for K = 5, "
+        "α = 0.8 (the right value is 3.69, its formula gives 3.36).",
+        tables,
+        {
+            "models": info,
+            "position_simulation": sim,
+            "k_sweep": sweep,
+            "scenes": scenes,
+            "resample_bias": bias,
+            "homework2": hw,
+            "homework3": hw3,
+        },
+        checks,
+        _plot(),
+    )
+
+
+def _tables(info, sim, sweep, scenes, bias, hw, hw3, seeds: int) -> list[Table]:
+    """The experiment's tables: the models, the per-position simulation, the K sweep, easy vs hard
+    text, and the lesson's two errors measured."""
+    return [
         Table(
             "the lesson's models, trained here on the repeating pattern a..h (Llama layers, not its MiniGPT)",
             ["model", "params", "final loss", "train s"],
@@ -247,7 +289,7 @@ def run(cfg: LabConfig, out: str | None = None) -> LabResult:
         ),
         Table(
             "lesson error 1: resampling a rejection from p instead of the residual (first token after "
-            f"{hard_prompt!r}, {n:,} draws)",
+            f"{bias['prompt']!r}, {bias['draws']:,} draws)",
             ["rule", "TV to p", "theory", "noise p99"],
             [
                 [
@@ -284,42 +326,6 @@ def run(cfg: LabConfig, out: str | None = None) -> LabResult:
             "formula drops the last term α^K, and its expected 4.096 matches neither formula.",
         ),
     ]
-    checks = {
-        "simulation_matches_theory": all(
-            abs(s["measured_given_reached"] - s["theory_given_reached"])
-            <= 4 * (s["theory_given_reached"] * (1 - s["theory_given_reached"]) / max(s["reached"], 1)) ** 0.5
-            for s in sim
-        ),
-        "homework_measured_matches_right_formula": abs(hw["measured"] - hw["right_formula"])
-        < 4 * hw["measured_stderr"],
-        "residual_tv_below_noise_p99": bias["residual_tv"] < bias["noise_tv_p99"],
-    }
-    return LabResult(
-        "lesson2",
-        "7. lesson 2: the toy pattern, the per-position simulation, the K sweep, and two corrections",
-        "Lesson 001 trains a small and a large model on a repeating pattern, where both are nearly "
-        "certain of the next token, so drafts are almost always accepted and tokens per call climb "
-        "towards K + 1. Its per-position simulation prints min(1, p/q) beside how often each position "
-        "was accepted over all rounds; those are different quantities (the second is a product), so "
-        "both are shown. Two of its statements are wrong and are measured here through our verifier: "
-        "resampling a rejected token from p biases the output (when draft and target disagree), and "
-        "the expected tokens per round is (1 − α^(K+1))/(1 − α), not (1 − α^K)/(1 − α).",
-        "lesson 001: draft d=32 × 2 layers, target d=64 × 4 layers on the pattern (i + j) mod 8; 1,000 "
-        "trials for the per-position table; K ∈ {2, 3, 4, 5, 6, 8}; homework 2 expects 4.096 for K = 5, "
-        "α = 0.8 (the right value is 3.69, its formula gives 3.36).",
-        tables,
-        {
-            "models": info,
-            "position_simulation": sim,
-            "k_sweep": sweep,
-            "scenes": scenes,
-            "resample_bias": bias,
-            "homework2": hw,
-            "homework3": hw3,
-        },
-        checks,
-        _plot(),
-    )
 
 
 def _plot():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from ..config import POLICIES
+from ..core.config import POLICIES
+from ..core.sampling import SamplingParams
 from ..engine import SpeculativeGenerator
-from ..sampling import SamplingParams
 from .common import LabConfig, LabResult, Table, label, new_figure
 
 TREES = ("2,2,1", "4,2,1")

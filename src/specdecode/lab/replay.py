@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..core.sampling import SamplingParams
 from ..engine import SpeculativeGenerator
+from ..engine.stats import RoundRecord
 from ..errors import SpecDecodeError
-from ..sampling import SamplingParams
-from ..stats import RoundRecord
 from .common import LabConfig, LabResult, Table, label, new_figure
 
 FIELDS = tuple(RoundRecord.__dataclass_fields__)

@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..theory import (
+from ..core.theory import (
     acceptance_from_probs,
     invariant_acceptance,
     invariant_bound,
     match_acceptance,
     resample_from_target_tv,
 )
-from ..verify import verify_chain, verify_invariant
+from ..engine.verify import verify_chain, verify_invariant
 from .common import (
     LabConfig,
     LabResult,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import statistics
 
+from ..core.sampling import SamplingParams
+from ..core.theory import expected_speedup, optimal_k, speedup_bound
 from ..engine import SpeculativeGenerator
-from ..sampling import SamplingParams
-from ..theory import expected_speedup, optimal_k, speedup_bound
 from .common import LabConfig, LabResult, Table, cost_ratio, label, new_figure
 
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..cache import KEY_CHUNK, chunked, write_chunked
 from ..errors import SpecDecodeError
 from .base import ForwardMeta
+from .cache import KEY_CHUNK, chunked, write_chunked
 from .invariant import InvariantAttention
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache import KEY_CHUNK, chunked
+from .cache import KEY_CHUNK, chunked
 
 # GEMM row counts are padded to a multiple of this (MKL picks another kernel for 1-3 rows; on an
 # AMX Xeon a 4-row score GEMM also differed from an 8- or 16-row one in the last bits)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
 from ..errors import SpecDecodeError
+from .cache import KVCache
 
 ROLLBACK = ("snapshot", "recompute")
 MAX_JOURNAL = 64  # advancing forwards remembered between two rewinds

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
 from ..errors import SpecDecodeError
 from .base import PLAIN, ForwardMeta
+from .cache import KVCache
 from .forward_plan import ForwardPlan, plan_forward
 from .linear import Linear
 from .quant import QUANT_KINDS, QWeight, linear_nbytes, quantized_linear

@@ -19,8 +19,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from ..core.sampling import SamplingParams
 from ..engine import Generation, Prefill, SpeculativeGenerator
-from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import APIError
 

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 
 
 def _json_int(v):
@@ -114,9 +114,7 @@ class _Sampling(BaseModel):
         """One SamplingParams per choice; choice i is seeded seed + i (one seed for all would
         make every choice the same sample). The sampling rule: the request's, else the server's
         (auto: invariant for a seeded request, so its seed fixes the text under any load)."""
-        rule = self.sampling_rule or default_rule
-        if rule == "auto":
-            rule = "standard" if self.seed is None else "invariant"
+        rule = self.sampling_rule or default_rule  # "auto": SamplingParams resolves it
         base = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

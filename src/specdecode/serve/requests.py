@@ -4,8 +4,8 @@ token budget within the server's context (--max-model-len). Each failure is an A
 
 from __future__ import annotations
 
+from ..core.sampling import SamplingParams
 from ..errors import SpecDecodeError
-from ..sampling import SamplingParams
 from .protocol import APIError, ChatRequest, CompletionRequest
 
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from ..stats import GenerationStats
+from ..engine.stats import GenerationStats
 from .loop import Choice, EngineLoop, Job, Update
 from .protocol import APIError
 from .text import TextStream

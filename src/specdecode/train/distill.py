@@ -144,7 +144,7 @@ class _Recorder(Drafter):
         return {"feats": [[] for _ in range(ctx.size)], "retired": []}
 
     def propose(self, state, ctx, limits, stop_below=None):
-        from ..verify import Proposal
+        from ..core.proposal import Proposal
 
         return Proposal.empty(ctx.size, ctx.device)
 
@@ -180,13 +180,13 @@ def distill(
 ) -> dict:
     """Answer every prompt with the target (prompt i at temperature temps[i % len(temps)]) and
     store tokens and features under `out`. Returns the index."""
-    from ..config import SpecConfig
+    from ..core.config import SpecConfig
+    from ..core.sampling import SamplingParams
     from ..engine import Generation
+    from ..engine.policy import FixedPolicy
+    from ..engine.speculation import build, encode
     from ..models import load
     from ..models.llama import _rms_norm
-    from ..policy import FixedPolicy
-    from ..sampling import SamplingParams
-    from ..speculation import build, encode
 
     if max_new_tokens < 1 or batch_size < 1:
         raise SpecDecodeError("--max-new-tokens and --batch-size must be >= 1")

@@ -42,7 +42,7 @@ def answer_counts(
     progress: Callable[[int, int], None] | None = None,
 ) -> Counter:
     """Token counts of `gen`'s greedy answers to `prompts`, batch_size prompts at a time."""
-    from ..sampling import SamplingParams
+    from ..core.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
     counts: Counter = Counter()

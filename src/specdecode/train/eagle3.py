@@ -303,31 +303,15 @@ def train_eagle3(
     faster on this CPU (AVX512-BF16)."""
     from safetensors.torch import save_file
 
-    from ..models import load
-
     if ttt_steps < 1 or draft_vocab < 2 or batch_tokens < 16 or not lr > 0 or not epochs > 0:
         raise SpecDecodeError(
             "need --ttt-steps >= 1, --draft-vocab >= 2, --batch-tokens >= 16, --lr > 0, --epochs > 0"
         )
     data = DistillData.open(data_dir)
-    model = load(target, dtype=torch.float32)
-    if not model.lean:
-        raise SpecDecodeError("train-heads --method eagle3 needs a Llama target on our lean runtime")
-    tc = model.cfg
-    if data.index["hidden_size"] != tc.hidden_size or data.index["vocab_size"] != tc.vocab_size:
-        raise SpecDecodeError(f"{data_dir} was distilled from another model than {target}")
+    trainer, tc, draft_ids, coverage = _new_trainer(target, data, data_dir, draft_vocab, seed)
     seqs = data.sequences[:limit] if limit else data.sequences
     n_held = max(1, int(len(seqs) * heldout)) if len(seqs) > 1 else 0
     train_ids, held_ids = list(range(len(seqs) - n_held)), list(range(len(seqs) - n_held, len(seqs)))
-    torch.manual_seed(seed)
-    draft_ids, coverage = draft_vocabulary(data, draft_vocab, tc.vocab_size)
-    sample = np.asarray(data.aux[: min(len(data.tokens), 20_000), 2 * tc.hidden_size :], dtype=np.float32)
-    feature_rms = float(np.sqrt((sample**2).mean())) or 1.0
-    init_layer = _target_layer(target, int(data.index["aux_layers"][2]))
-    trainer = Eagle3Trainer(
-        tc, model.embed, model.lm_head, model.final_norm, draft_ids, seed, feature_rms, init_layer
-    )
-    del model
     opt = torch.optim.AdamW(list(trainer.p.values()), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -382,12 +366,7 @@ def train_eagle3(
             for grp in opt.param_groups:
                 grp["lr"] = lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
             batch = _load_batch(data, seqs, [train_ids[i] for i in plan[step]], max_len)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, accs, _ = trainer.loss(batch, ttt_steps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(trainer.p.values()), 1.0)
-            opt.step()
+            loss, accs = _step(trainer, opt, batch, ttt_steps, bf16)
             step += 1
             recent.append(accs)
             recent = recent[-20:]
@@ -440,6 +419,39 @@ def train_eagle3(
         },
     )
     return cfg["specdecode"]
+
+
+def _new_trainer(target: str | Path, data: DistillData, data_dir, draft_vocab: int, seed: int):
+    """(Eagle3Trainer, the target's config, the draft vocabulary's ids, its coverage): the drafter
+    initialised from the target's embeddings, LM head, final norm and last auxiliary layer."""
+    from ..models import load
+
+    model = load(target, dtype=torch.float32)
+    if not model.lean:
+        raise SpecDecodeError("train-heads --method eagle3 needs a Llama target on our lean runtime")
+    tc = model.cfg
+    if data.index["hidden_size"] != tc.hidden_size or data.index["vocab_size"] != tc.vocab_size:
+        raise SpecDecodeError(f"{data_dir} was distilled from another model than {target}")
+    torch.manual_seed(seed)
+    draft_ids, coverage = draft_vocabulary(data, draft_vocab, tc.vocab_size)
+    sample = np.asarray(data.aux[: min(len(data.tokens), 20_000), 2 * tc.hidden_size :], dtype=np.float32)
+    feature_rms = float(np.sqrt((sample**2).mean())) or 1.0
+    init_layer = _target_layer(target, int(data.index["aux_layers"][2]))
+    trainer = Eagle3Trainer(
+        tc, model.embed, model.lm_head, model.final_norm, draft_ids, seed, feature_rms, init_layer
+    )
+    return trainer, tc, draft_ids, coverage
+
+
+def _step(trainer: Eagle3Trainer, opt, batch, ttt_steps: int, bf16: bool) -> tuple[torch.Tensor, list[float]]:
+    """One optimiser step (bf16 products under autocast when asked); returns (loss, top-1 per step)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, accs, _ = trainer.loss(batch, ttt_steps)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(trainer.p.values()), 1.0)
+    opt.step()
+    return loss, accs
 
 
 def _target_layer(target: str | Path, i: int) -> dict[str, torch.Tensor]:

@@ -39,10 +39,10 @@ def measure_acceptance(
     target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, k: int = 4, seed: int = 0
 ) -> dict:
     """Acceptance rate and tokens per target forward of draft against target, T = 1 and T = 0."""
+    from ..core.sampling import SamplingParams
     from ..engine import SpeculativeGenerator
+    from ..engine.stats import GenerationStats
     from ..models import load
-    from ..sampling import SamplingParams
-    from ..stats import GenerationStats
 
     gen = SpeculativeGenerator(load(target_dir), draft=load(draft_dir), k=k)
     out = {}
@@ -209,10 +209,10 @@ def write_heads_card(
 ) -> Path:
     """MODEL_CARD.md for trained Medusa heads or an EAGLE drafter: training figures and tokens per
     target forward measured with the engine (chain k = 4 and a 4,2,1 tree; T = 1 and T = 0)."""
+    from ..core.sampling import SamplingParams
     from ..engine import SpeculativeGenerator
+    from ..engine.stats import GenerationStats
     from ..models import load, resolve
-    from ..sampling import SamplingParams
-    from ..stats import GenerationStats
 
     heads_dir = Path(heads_dir)
     meta = json.loads((heads_dir / "config.json").read_text())

@@ -146,6 +146,122 @@ def _save_model(model, tok, out: Path, log: ModelLog, meta: dict) -> None:
     tmp.rename(out)
 
 
+def _settings(
+    family: Family, corpus, out: Path, resume: bool, only: tuple[str, ...], **kw
+) -> tuple[TrainConfig, list[ModelSpec]]:
+    """The run's TrainConfig and the models it trains, every flag checked (one-line errors)."""
+    steps, seq_len, batch_size, lr = kw["steps"], kw["seq_len"], kw["batch_size"], kw["lr"]
+    eval_every, early_exit_layer = kw["eval_every"], kw["early_exit_layer"]
+    early_exit_weight = kw["early_exit_weight"]
+    for name, v in (("--steps", steps), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if v < 1:
+            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
+    if eval_every is not None and eval_every < 1:
+        raise SpecDecodeError(f"--eval-every must be >= 1, got {eval_every}")
+    if not lr > 0:
+        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
+    unknown = [m for m in only if m not in {spec.name for spec in family.models}]
+    if unknown:
+        raise SpecDecodeError(
+            f"--models {','.join(unknown)}: not in {family.name} ({', '.join(m.name for m in family.models)})"
+        )
+    if early_exit_layer and not 1 <= early_exit_layer < family.target.layers:
+        raise SpecDecodeError(
+            f"--early-exit-layer must be in 1..{family.target.layers - 1} "
+            f"for the {family.target.layers}-layer target"
+        )
+    if early_exit_weight < 0:
+        raise SpecDecodeError(f"--early-exit-weight must be >= 0, got {early_exit_weight}")
+    state_dir = out / ".train"
+    if resume and not (state_dir / "state.pt").exists():
+        raise SpecDecodeError(f"--resume: no training state in {state_dir}; start without --resume")
+    if not resume and (state_dir / "state.pt").exists():
+        raise SpecDecodeError(
+            f"{out} holds an unfinished run; pass --resume to continue it or remove {state_dir}"
+        )
+    cfg = TrainConfig(
+        family.name,
+        str(corpus),
+        steps,
+        seq_len,
+        batch_size,
+        lr,
+        kw["seed"],
+        eval_every or max(10, steps // 12),
+        early_exit_layer=early_exit_layer,
+        early_exit_weight=early_exit_weight,
+        models=list(only),
+    )
+    return cfg, [m for m in family.models if (m.name in only if only else m.default)]
+
+
+def _corpus(family: Family, corpus, cfg: TrainConfig, state_dir: Path, resume: bool):
+    """(tokenizer, train ids, held-out ids, corpus metadata): trained and saved in state_dir at
+    the start of a run, read back from it on --resume (with the settings checked unchanged)."""
+    from tokenizers import Tokenizer
+
+    if resume:
+        saved = json.loads((state_dir / "config.json").read_text())
+        mismatch = {
+            k: (v, getattr(cfg, k)) for k, v in saved.items() if k not in ("steps",) and getattr(cfg, k) != v
+        }
+        if mismatch:
+            raise SpecDecodeError(f"--resume with different settings {mismatch}; use the original ones")
+        tok = Tokenizer.from_file(str(state_dir / "tokenizer.json"))
+        meta = json.loads((state_dir / "corpus.json").read_text())
+        return tok, np.load(state_dir / "train.npy"), np.load(state_dir / "valid.npy"), meta
+    text = read_corpus(corpus, family.file_glob)
+    tok = train_tokenizer(text.train, family.vocab)
+    train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
+    tok.save(str(state_dir / "tokenizer.json"))
+    np.save(state_dir / "train.npy", train_ids)
+    np.save(state_dir / "valid.npy", val_ids)
+    meta = {
+        "corpus": text.source,
+        "files": text.files,
+        "characters": text.chars,
+        "train_tokens": int(len(train_ids)),
+        "valid_tokens": int(len(val_ids)),
+        "tokenizer_vocab": tok.get_vocab_size(),
+        "python": platform.python_version(),
+    }
+    (state_dir / "corpus.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (state_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    return tok, train_ids, val_ids, meta
+
+
+def _new_model(spec: ModelSpec, family: Family, eos_id: int, seq_len: int, seed: int):
+    """A freshly initialised model of `spec` (seeded): a Llama, or a hybrid with linear-attention layers."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if spec.linear_layers:
+        from .hybrid import HybridLM, hybrid_config
+
+        dims = (spec.dim, spec.layers, spec.heads, mlp_width(spec.dim), spec.linear_layers)
+        model = HybridLM(hybrid_config(family.vocab, *dims, eos_id)).float().train()
+    else:
+        model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
+    _scale_residual_init(model, spec.layers)
+    return model
+
+
+def _step(model, opt, x: torch.Tensor, y: torch.Tensor, lr: float, cfg: TrainConfig, exit_aux: bool) -> float:
+    """One optimiser step of one model on a batch; returns its loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    res = model(input_ids=x, use_cache=False, output_hidden_states=exit_aux)
+    loss = F.cross_entropy(res.logits.flatten(0, 1), y.flatten())
+    if exit_aux:  # LayerSkip-style: the first M layers + final norm + LM head also predict
+        h = model.model.norm(res.hidden_states[cfg.early_exit_layer])
+        loss = loss + cfg.early_exit_weight * F.cross_entropy(model.lm_head(h).flatten(0, 1), y.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    opt.step()
+    return loss.item()
+
+
 def train_family(
     family: Family,
     corpus: str | Path,
@@ -164,107 +280,19 @@ def train_family(
     only: tuple[str, ...] = (),
 ) -> dict:
     """Train every model of `family`; write OUT/<model>/ directories. Returns the metadata."""
-    from tokenizers import Tokenizer
-    from transformers import LlamaForCausalLM
-
-    for name, v in (("--steps", steps), ("--seq-len", seq_len), ("--batch-size", batch_size)):
-        if v < 1:
-            raise SpecDecodeError(f"{name} must be >= 1, got {v}")
-    if eval_every is not None and eval_every < 1:
-        raise SpecDecodeError(f"--eval-every must be >= 1, got {eval_every}")
-    if not lr > 0:
-        raise SpecDecodeError(f"--lr must be > 0, got {lr}")
     out = Path(out)
+    flags = dict(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, eval_every=eval_every)
+    flags.update(early_exit_layer=early_exit_layer, early_exit_weight=early_exit_weight)
+    cfg, specs = _settings(family, corpus, out, resume, only, **flags)
     state_dir = out / ".train"
-    unknown = [m for m in only if m not in {spec.name for spec in family.models}]
-    if unknown:
-        raise SpecDecodeError(
-            f"--models {','.join(unknown)}: not in {family.name} ({', '.join(m.name for m in family.models)})"
-        )
-    if early_exit_layer and not 1 <= early_exit_layer < family.target.layers:
-        raise SpecDecodeError(
-            f"--early-exit-layer must be in 1..{family.target.layers - 1} "
-            f"for the {family.target.layers}-layer target"
-        )
-    if early_exit_weight < 0:
-        raise SpecDecodeError(f"--early-exit-weight must be >= 0, got {early_exit_weight}")
-    cfg = TrainConfig(
-        family.name,
-        str(corpus),
-        steps,
-        seq_len,
-        batch_size,
-        lr,
-        seed,
-        eval_every or max(10, steps // 12),
-        early_exit_layer=early_exit_layer,
-        early_exit_weight=early_exit_weight,
-        models=list(only),
-    )
-    specs = [m for m in family.models if (m.name in only if only else m.default)]
     state_path = state_dir / "state.pt"
-    if resume and not state_path.exists():
-        raise SpecDecodeError(f"--resume: no training state in {state_dir}; start without --resume")
-    if not resume and state_path.exists():
-        raise SpecDecodeError(
-            f"{out} holds an unfinished run; pass --resume to continue it or remove {state_dir}"
-        )
     state_dir.mkdir(parents=True, exist_ok=True)
-
-    if resume:
-        saved = json.loads((state_dir / "config.json").read_text())
-        mismatch = {
-            k: (v, getattr(cfg, k)) for k, v in saved.items() if k not in ("steps",) and getattr(cfg, k) != v
-        }
-        if mismatch:
-            raise SpecDecodeError(f"--resume with different settings {mismatch}; use the original ones")
-        tok = Tokenizer.from_file(str(state_dir / "tokenizer.json"))
-        train_ids = np.load(state_dir / "train.npy")
-        val_ids = np.load(state_dir / "valid.npy")
-        corpus_meta = json.loads((state_dir / "corpus.json").read_text())
-    else:
-        text = read_corpus(corpus, family.file_glob)
-        tok = train_tokenizer(text.train, family.vocab)
-        train_ids, val_ids = encode_stream(tok, text.train), encode_stream(tok, text.valid)
-        tok.save(str(state_dir / "tokenizer.json"))
-        np.save(state_dir / "train.npy", train_ids)
-        np.save(state_dir / "valid.npy", val_ids)
-        corpus_meta = {
-            "corpus": text.source,
-            "files": text.files,
-            "characters": text.chars,
-            "train_tokens": int(len(train_ids)),
-            "valid_tokens": int(len(val_ids)),
-            "tokenizer_vocab": tok.get_vocab_size(),
-            "python": platform.python_version(),
-        }
-        (state_dir / "corpus.json").write_text(json.dumps(corpus_meta, indent=1) + "\n")
-        (state_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
-
+    tok, train_ids, val_ids, corpus_meta = _corpus(family, corpus, cfg, state_dir, resume)
     eos_id = tok.token_to_id(EOS)
     windows = eval_windows(val_ids, seq_len, cfg.eval_windows)
-    models, opts, logs = [], [], []
-    for spec in specs:
-        torch.manual_seed(seed)
-        if spec.linear_layers:
-            from .hybrid import HybridLM, hybrid_config
-
-            config = hybrid_config(
-                family.vocab,
-                spec.dim,
-                spec.layers,
-                spec.heads,
-                mlp_width(spec.dim),
-                spec.linear_layers,
-                eos_id,
-            )
-            model = HybridLM(config).float().train()
-        else:
-            model = LlamaForCausalLM(_hf_config(spec, family.vocab, eos_id, seq_len)).float().train()
-        _scale_residual_init(model, spec.layers)
-        models.append(model)
-        opts.append(_optimizer(model, cfg))
-        logs.append(ModelLog(spec.name, sum(p.numel() for p in model.parameters())))
+    models = [_new_model(spec, family, eos_id, seq_len, seed) for spec in specs]
+    opts = [_optimizer(model, cfg) for model in models]
+    logs = [ModelLog(spec.name, sum(p.numel() for p in m.parameters())) for spec, m in zip(specs, models)]
     start = 0
     if resume:
         st = torch.load(state_path, weights_only=False)
@@ -320,23 +348,9 @@ def train_family(
             x, y = batch[:, :-1], batch[:, 1:]
             for model, opt, log, spec in zip(models, opts, logs, specs):
                 t0 = time.perf_counter()
+                exit_aux = bool(cfg.early_exit_layer) and spec is family.target
                 lr_now = _lr_at(step, cfg, peak_lr(cfg, spec.dim))
-                for g in opt.param_groups:
-                    g["lr"] = lr_now
-                exit_aux = cfg.early_exit_layer and spec is family.target
-                res = model(input_ids=x, use_cache=False, output_hidden_states=bool(exit_aux))
-                loss = F.cross_entropy(res.logits.flatten(0, 1), y.flatten())
-                if exit_aux:  # LayerSkip-style: the first M layers + final norm + LM head also predict
-                    h = model.model.norm(res.hidden_states[cfg.early_exit_layer])
-                    exit_logits = model.lm_head(h)
-                    loss = loss + cfg.early_exit_weight * F.cross_entropy(
-                        exit_logits.flatten(0, 1), y.flatten()
-                    )
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-                opt.step()
-                log.train_loss = loss.item()
+                log.train_loss = _step(model, opt, x, y, lr_now, cfg, exit_aux)
                 log.train_seconds += time.perf_counter() - t0
             done = step + 1
             if done % cfg.eval_every == 0 or done == steps:

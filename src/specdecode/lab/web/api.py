@@ -18,16 +18,16 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...errors import SpecDecodeError
-from ...roofline import DTYPE_BYTES, HARDWARE, ModelSpec, forward_time, measure_cpu, spec_from_config
-from ...theory import (
+from ...core.theory import (
     acceptance_from_probs,
     expected_tokens_per_round,
     invariant_acceptance,
     invariant_bound,
     resample_from_target_tv,
 )
-from ...verify import verify_chain
+from ...engine.verify import verify_chain
+from ...errors import SpecDecodeError
+from ...roofline import DTYPE_BYTES, HARDWARE, ModelSpec, forward_time, measure_cpu, spec_from_config
 
 # Llama-3.1 shapes from their published config.json files (no weights needed for a roofline).
 LLAMA_31 = {
@@ -399,8 +399,8 @@ class Lab:
 
     # -- 3. replay ----------------------------------------------------------------------
     def replay(self, r: ReplayRequest) -> dict:
+        from ...core.sampling import SamplingParams
         from ...engine import SpeculativeGenerator
-        from ...sampling import SamplingParams
 
         target, draft, tname = self.pair(r.pair)
         ids = self.encode(target, tname, r.prompt)
@@ -429,7 +429,7 @@ class Lab:
     # -- 4. formula vs measured ---------------------------------------------------------
     def formula(self, r: FormulaRequest) -> dict:
         """Leviathan et al.'s closed forms (specdecode.theory) at α, c, and the curve over k."""
-        from ...theory import expected_speedup, optimal_k
+        from ...core.theory import expected_speedup, optimal_k
 
         best = optimal_k(r.alpha, r.c)
         return {
@@ -454,8 +454,8 @@ class Lab:
         key = ("measured", r.pair, r.k)
         if key in self.cache:
             return self.cache[key]
-        from ...sampling import SamplingParams
-        from ...stats import GenerationStats
+        from ...core.sampling import SamplingParams
+        from ...engine.stats import GenerationStats
 
         tname, method, dname = MEASURED_PAIRS[r.pair]
         gen = self.generator(tname, dname.rsplit("/", 1)[1] if dname else method, r.k)
@@ -499,8 +499,8 @@ class Lab:
 
     # -- 5. live generation -------------------------------------------------------------
     def generator(self, target: str, method: str, k: int):
+        from ...core.sampling import SamplingParams
         from ...engine import SpeculativeGenerator
-        from ...sampling import SamplingParams
 
         if target not in GENERATE_TARGETS:
             raise SpecDecodeError(f"unknown model {target!r}; choose one of {', '.join(GENERATE_TARGETS)}")
@@ -510,7 +510,7 @@ class Lab:
             )
         key = (target, method, k)
         if key not in self.generators:
-            from ...options import method_heads
+            from ...opener import method_heads
 
             model = self.model(target)
             # the real model runs in bf16: batch-invariant kernels keep greedy speculative output
@@ -544,7 +544,7 @@ class Lab:
     def generate(self, r: GenerateRequest) -> Iterator[dict]:
         """Events: one per round of the speculative run ('speculative'), then of target-only
         decoding ('target') when asked, then 'done' with the speed-up."""
-        from ...sampling import SamplingParams
+        from ...core.sampling import SamplingParams
 
         spec, ids = self.generate_prompt(r)
         base = self.generator(r.target, "none", r.k) if r.baseline else None

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .cache import KVCache
-from .models.base import extend
-from .prefix import BLOCK, PrefixCache
+from ..models.base import extend
+from ..models.cache import BLOCK, KVCache
+from .prefix import PrefixCache
 from .rows import Rows
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecDecodeError
-from .formats import DRAFT_FORMATS
+from ..errors import SpecDecodeError
+from ..formats import DRAFT_FORMATS
 from .tree import TREE_SAMPLING, TokenTree
 
 POLICIES = ("fixed", "heuristic", "confidence", "optimal")
@@ -50,7 +50,10 @@ class SpecConfig:
     (FR-Spec): an int N (the N lowest token ids: a byte-level BPE numbers tokens in merge order,
     roughly by frequency) or a JSON file of ids in frequency order; EOS tokens always kept;
     a shipped list's name (models/draft_vocab.py: SHIPPED, e.g. "qwen2.5-coder"); "full" or None:
-    the whole vocabulary."""
+    the whole vocabulary.
+    suffix_cache (suffix, auto): a drafters.suffix.SuffixCache of earlier requests to draft from,
+    shared on purpose between the generators given it; None (default): the generator's drafter
+    keeps its own, empty at the start (SpeculativeGenerator.forget() empties it)."""
 
     method: str | None = None
     k: int = 4
@@ -70,6 +73,7 @@ class SpecConfig:
     load_costs: Any = None
     draft_dtype: str | None = None
     draft_vocab: int | str | Path | None = None
+    suffix_cache: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):

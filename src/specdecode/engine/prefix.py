@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-BLOCK = 16  # tokens per block (vLLM's default); divides the invariant cache's 64-slot chunks
+from ..models.cache import BLOCK
 
 
 def _nbytes(obj: Any) -> int:

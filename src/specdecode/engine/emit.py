@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models.tokenizer import TextTokenizer
-from .sampling import SamplingParams
+from ..core.sampling import SamplingParams
+from ..models.tokenizer import TextTokenizer
 from .stats import HOW, GenerationStats, RoundRecord
 from .verify import Verdict
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import DraftContext
-from .sampling import RowRandom, SamplingParams, Warp
+from ..core.draft_context import DraftContext
+from ..core.sampling import RowRandom, SamplingParams, Warp
 
 
 @dataclass

@@ -11,16 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SpecConfig
-from .drafters import Drafter, make_drafter
-from .drafters.base import NOTHING, TargetNeeds
-from .errors import SpecDecodeError
-from .models.base import PLAIN, CausalLM, ForwardMeta
-from .models.quant import QUANT_KINDS
-from .models.tokenizer import is_messages
-from .sampling import SamplingParams
-from .tree import TokenTree
-from .verify import Proposal
+from ..core.config import SpecConfig
+from ..core.proposal import Proposal
+from ..core.sampling import SamplingParams
+from ..core.tree import TokenTree
+from ..drafters import Drafter, make_drafter
+from ..drafters.base import NOTHING, TargetNeeds
+from ..errors import SpecDecodeError
+from ..models.base import PLAIN, CausalLM, ForwardMeta
+from ..models.quant import QUANT_KINDS
+from ..models.tokenizer import is_messages
 
 # text, token ids, or a chat: [{"role": "user", "content": ...}, ...] rendered by the target's template
 Prompt = str | Sequence[int] | Sequence[dict]

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import POLICIES, SpecConfig, adaptive_max_k
-from .errors import SpecDecodeError
-from .theory import expected_tokens_per_round
+from ..core.config import POLICIES, SpecConfig, adaptive_max_k
+from ..core.theory import expected_tokens_per_round
+from ..errors import SpecDecodeError
 
 
 @dataclass

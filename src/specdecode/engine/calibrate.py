@@ -11,14 +11,15 @@ from dataclasses import replace
 
 import torch
 
-from .drafters import DraftContext, Drafter
-from .errors import SpecDecodeError
+from ..core.draft_context import DraftContext
+from ..core.proposal import Proposal
+from ..core.sampling import SamplingParams
+from ..drafters import Drafter
+from ..errors import SpecDecodeError
 from .generation import Generation
 from .policy import CostModel, FixedPolicy, LoadCosts
 from .rows import Rows
-from .sampling import SamplingParams
 from .speculation import Speculation
-from .verify import Proposal
 
 
 def round_seconds(

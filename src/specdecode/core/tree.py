@@ -32,7 +32,7 @@ from itertools import product
 
 import torch
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
 from .sampling import sample
 
 TREE_SAMPLING = ("topk", "with-replacement", "without-replacement")

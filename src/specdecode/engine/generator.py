@@ -7,19 +7,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import SpecConfig
-from .emit import GenerationResult, RoundEvent
-from .errors import SpecDecodeError
+from ..core.config import SpecConfig
+from ..core.sampling import SamplingParams
+from ..errors import SpecDecodeError
+from ..models.base import CausalLM
+from .emit import GenerationResult
 from .generation import Generation
-from .models.base import CausalLM
 from .policy import CostModel, LoadAwarePolicy, LoadCosts, OnlineCosts, make_policy
-from .prefill import Prefill
 from .prefix import PrefixCache
-from .rows import Rows
-from .sampling import SamplingParams
 from .speculation import Prompt, build, encode, prepare
 
-__all__ = ["Generation", "GenerationResult", "Prefill", "RoundEvent", "Rows", "SpeculativeGenerator"]
+__all__ = ["SpeculativeGenerator"]
 
 
 class SpeculativeGenerator:
@@ -106,6 +104,14 @@ class SpeculativeGenerator:
             raise SpecDecodeError(f"prefix caching needs {why}")
         self.prefix_cache = PrefixCache(budget_bytes)
         return self.prefix_cache
+
+    def forget(self) -> None:
+        """Forget what earlier requests taught the drafter (the suffix and auto methods' cache of
+        earlier prompts and answers). Benchmarks call it between timed runs so that no run drafts
+        from another run's answer to the same prompt; the output never depends on it (exact either
+        way), only the speed."""
+        if self.drafter is not None:
+            self.drafter.forget()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids (chat messages through the target's template); SpecDecodeError

@@ -27,9 +27,12 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
 
 SAMPLING_RULES = ("standard", "invariant")
+# what a caller may ask for: a rule, or "auto" (invariant when seeded, else standard), resolved
+# by SamplingParams itself, the one place
+RULE_CHOICES = ("auto", *SAMPLING_RULES)
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,14 @@ class SamplingParams:
     # (unwarped) distribution, plus the n most likely alternatives
     logprobs: int | None = None
     # "standard" (rejection sampling from the row's generator) or "invariant" (noise keyed by
-    # (seed, position): the same text for any drafter, k, tree or batch); see the module doc
+    # (seed, position): the same text for any drafter, k, tree or batch); see the module doc.
+    # "auto" is resolved here: invariant for a seeded row (its seed then fixes the text whatever
+    # runs beside it), standard otherwise
     sampling_rule: str = "standard"
 
     def __post_init__(self) -> None:
+        if self.sampling_rule == "auto":
+            object.__setattr__(self, "sampling_rule", "standard" if self.seed is None else "invariant")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -80,7 +87,7 @@ class SamplingParams:
             raise SpecDecodeError(f"logprobs must be in [0, 20] alternatives, got {self.logprobs}")
         if self.sampling_rule not in SAMPLING_RULES:
             raise SpecDecodeError(
-                f"sampling rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling_rule!r}"
+                f"sampling rule must be one of {', '.join(RULE_CHOICES)}, got {self.sampling_rule!r}"
             )
 
     @property

@@ -1,34 +1,21 @@
-"""Every speculation option declared once: its SpecConfig field (which owns the default and the
-validation), its command-line flag and its help text. `generate`, `bench` and `serve` build their
-flags from `OPTIONS`, so a new option is added here and in SpecConfig, nowhere else.
-
-Also here, because the library needs them as much as the command line: the weight types by
-their short names (`DTYPES`) and where a method's trained drafter lives (`method_heads`)."""
+"""Every option of the library as a command-line flag, declared once: each SpecConfig field
+(which owns the default and the validation) with its flag and help text (`OPTIONS`), how the
+models run (`add_format_flags`: --dtype, --backend, --device, --batch-invariant) and the
+sampling rule (`add_sampling_rule_flag`: SamplingParams.sampling_rule, "auto" resolved by
+SamplingParams). `generate`, `bench` and `serve` build their flags here, so a new option is
+added here and in SpecConfig, nowhere else."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from .config import DRAFT_DTYPES, POLICIES, SpecConfig
-from .errors import SpecDecodeError
-
-# the weight formats live in one table (formats.py); re-exported here for the flags
-from .formats import (  # noqa: F401
-    BACKENDS,
-    DTYPES,
-    GGUF_FORMATS,
-    QUANT_FORMATS,
-    WEIGHT_FORMATS,
-    torch_dtype,
-    weight_format,
-)
-from .tree import TREE_SAMPLING
-
-QUANTIZED = QUANT_FORMATS
-
+from ..core.config import DRAFT_DTYPES, POLICIES, SpecConfig
+from ..core.sampling import RULE_CHOICES
+from ..core.tree import TREE_SAMPLING
+from ..errors import SpecDecodeError
+from ..formats import BACKENDS, WEIGHT_FORMATS
 
 DTYPE_HELP = (
     "the target's weights: auto (the default for known models such as qwen2.5-coder-1.5b: each "
@@ -140,7 +127,7 @@ SAMPLING_RULE_HELP = (
     "generator; with a seed the text is fixed for one drafter, k and batch) or invariant (the token at "
     "position t is argmax p_t / E_t with Exp(1) noise keyed by (seed, t); the drafter guesses with the "
     "same noise: a seed fixes the text whatever the drafter, k, tree or batch, at some acceptance; "
-    "docs/sampling-rules.md)"
+    "docs/sampling-rules.md), or auto (invariant for a seeded request, standard otherwise)"
 )
 
 
@@ -172,13 +159,12 @@ def add_format_flags(parser, invariant_help: str | None = None) -> None:
 
 
 def add_sampling_rule_flag(parser, default: str = "standard", extra: str = "") -> None:
-    """--sampling-rule (generate, bench, serve): SamplingParams.sampling_rule."""
-    from .sampling import SAMPLING_RULES
-
+    """--sampling-rule (generate, bench, serve): SamplingParams.sampling_rule, whose "auto" is
+    resolved by SamplingParams (invariant for a seeded row, standard otherwise)."""
     parser.add_argument(
         "--sampling-rule",
         default=default,
-        choices=SAMPLING_RULES,
+        choices=RULE_CHOICES,
         help=SAMPLING_RULE_HELP + (f"; {extra}" if extra else f" (default {default})"),
     )
 
@@ -209,34 +195,3 @@ def spec_config(args: argparse.Namespace, **overrides: Any) -> SpecConfig:
         if o is None:
             raise
         raise SpecDecodeError(o.flag + str(e)[len(o.field) :]) from None
-
-
-def method_heads(target: str, method: str | None, heads: str | None, draft: str | None = None) -> Path | None:
-    """The trained drafter a method reads: required for medusa, eagle and eagle3; for auto the
-    bundled (or given) EAGLE-3 drafter when there is one and no draft model is given."""
-    if method in ("medusa", "eagle", "eagle3"):
-        return heads_dir(target, method, heads)
-    if method == "auto" and draft and not heads:
-        return None  # auto's model drafter is the draft model
-    if method == "auto":
-        try:
-            return heads_dir(target, "eagle3", heads)
-        except SpecDecodeError:
-            return None
-    if heads:
-        raise SpecDecodeError(f"--heads is read by methods medusa, eagle, eagle3 and auto, not {method!r}")
-    return None
-
-
-def heads_dir(target: str, method: str, heads: str | None) -> Path:
-    """--heads, or the drafter bundled for the target (models/<family>/<method>, or
-    models/<name>/<method> for a known name such as smollm2-135m)."""
-    from .models import ZOO, models_dir, resolve
-
-    if heads:
-        return Path(heads)
-    bundled = (models_dir() / target if target in ZOO else resolve(target).parent) / method
-    if not (bundled / "config.json").exists():
-        what = {"medusa": "Medusa heads", "eagle3": "EAGLE-3 drafter"}.get(method, "EAGLE drafter")
-        raise SpecDecodeError(f"no {what} for {target}; pass --heads DIR (see train-heads)")
-    return bundled

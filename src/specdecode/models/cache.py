@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
 
 # the batch-invariant attention reduces over keys in chunks of this many positions
 KEY_CHUNK = 64
+# tokens per prefix-cache block (vLLM's default; engine/prefix.py): divides KEY_CHUNK, so a block
+# read or written by the drafters and the prefix cache never straddles a key chunk
+BLOCK = 16
 
 
 def chunked(n: int) -> int:

@@ -1,6 +1,6 @@
 """A running batch (Generation): prefill, then rounds of propose -> ONE target forward -> verify
 -> commit -> emit (`Generation._round`), rows stopping at their own time and joining between
-rounds; it reads only the Speculation that speculation.build decided (engine.py's
+rounds; it reads only the Speculation that speculation.build decided (generator.py's
 SpeculativeGenerator starts them; calibrate.py times scratch ones)."""
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from typing import Any
 
 import torch
 
+from ..core.proposal import Proposal
+from ..core.sampling import SamplingParams
+from ..errors import SpecDecodeError
 from .emit import GenerationResult, RoundEvent, RowOutput, emit, token_logprobs
-from .errors import SpecDecodeError
 from .policy import RoundOutcome
 from .prefill import Prefill, remember
 from .prefix import PrefixCache
 from .rows import Rows
-from .sampling import SamplingParams
 from .speculation import Prompt, Speculation, prepare
-from .verify import Proposal, Verdict, verify_proposal
+from .verify import Verdict, verify_proposal
 
 
 class Generation:
