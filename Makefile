@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-slow test-real demo install models lint clean browser
+.PHONY: test test-quick test-slow test-real demo install models lint clean browser
 
 $(BIN)/specdecode: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ test-real: models
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15
+
+# the suite without its heavy tests (the statistical runs of tens of thousands of samples and the
+# checks of many seconds, marked `heavy`): about a minute, for the edit-test loop; make test and
+# CI run everything
+test-quick: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -n 2 --dist worksteal -m 'not real and not slow and not heavy' --durations=10
 
 # SmolLM2-135M's checks of a minute or more (bf16 ngram identity on 6 chats, the two-token
 # distribution and its negative control, the chat demo, auto): make test runs the others

@@ -31,6 +31,7 @@ def tiny_bench():
     return run_bench(cfg)
 
 
+@pytest.mark.heavy
 def test_bench_times_every_configuration_on_every_prompt_set(tiny_bench):
     rows = tiny_bench["families"]["python-code"]["rows"]
     configs = {r["config"] for r in rows}
@@ -107,6 +108,7 @@ def test_edit_prompts_make_greedy_output_copy_the_context():
     assert edit_prompt("ab", "cd") == "abcd\n\nab"
 
 
+@pytest.mark.heavy
 def test_scaling_study_reports_cost_policy_k_and_verification_ratio(tmp_path):
     cfg = ScalingConfig.make(
         families=("three-kingdoms",),

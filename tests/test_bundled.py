@@ -58,6 +58,7 @@ def test_bundled_pair_greedy_speculative_equals_target_only():
     assert got == want
 
 
+@pytest.mark.heavy
 def test_lab_on_bundled_three_kingdoms_greedy_identical_and_residual_within_noise():
     from specdecode.lab import LabConfig, run_experiment
 

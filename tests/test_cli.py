@@ -173,6 +173,7 @@ def test_plain_output_streams_text_and_reports_speed(dirs, capsys):
     assert "tokens/s" in err and "acceptance" in err
 
 
+@pytest.mark.heavy
 def test_init_model_then_generate_in_fresh_processes(tmp_path):
     """The issue's 'done when' commands, as a user runs them (no traceback, JSON on stdout)."""
     exe = [sys.executable, "-m", "specdecode.cli"]

@@ -191,6 +191,7 @@ def joint_id(case) -> str:
     return case_id(case[:2])
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::specdecode.drafters.early_exit.UntrainedExitWarning")
 @pytest.mark.parametrize("case", JOINT_CASES, ids=joint_id)
 def test_two_token_joint_equals_the_targets(v16, case):
@@ -200,6 +201,7 @@ def test_two_token_joint_equals_the_targets(v16, case):
     assert 0 < accepted < tested  # acceptances and rejections both happened
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::specdecode.drafters.early_exit.UntrainedExitWarning")
 @pytest.mark.parametrize("case", NEGATIVE_CASES, ids=joint_id)
 def test_two_token_check_catches_resampling_from_p(v16, case, monkeypatch):
@@ -209,6 +211,7 @@ def test_two_token_check_catches_resampling_from_p(v16, case, monkeypatch):
     assert not ok, msg
 
 
+@pytest.mark.heavy
 def test_auto_keeps_the_joint_mixing_suffix_and_eagle3_rows_in_one_batch(v16):
     """Rows of one batch draft from different drafters (one-hot suffix drafts beside EAGLE-3's
     probabilities); each row's tokens still follow the target."""
@@ -296,6 +299,7 @@ INVARIANT_JOINT_CASES = [
 # every other method gives target-only's text token for token (the table above), hence its joint
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", INVARIANT_JOINT_CASES, ids=joint_id)
 def test_invariant_rule_keeps_the_two_token_joint(v16, case):
     [(pairs, joint)], accepted, tested = joint_run(v16, case)

@@ -168,6 +168,7 @@ def exact_joint(target, params: SamplingParams) -> np.ndarray:
     return (p1.view(V, 1) * p2).numpy().ravel()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("k", "params"),
     [
@@ -198,6 +199,7 @@ def test_two_token_joint_through_engine_equals_target(small_vocab_models, k, par
     assert 0.2 < rate < 0.95, rate
 
 
+@pytest.mark.heavy
 def test_two_token_joint_of_target_only_decoding_equals_target(small_vocab_models):
     """Plain rounds (nothing drafted) sample on their own fast path: argmax(p / Exp(1))."""
     target, _ = small_vocab_models
@@ -208,6 +210,7 @@ def test_two_token_joint_of_target_only_decoding_equals_target(small_vocab_model
     assert ok, msg
 
 
+@pytest.mark.heavy
 def test_target_only_joint_check_catches_a_biased_sampler(small_vocab_models, monkeypatch):
     """Negative control for the plain-round path: sampling from p² (renormalised) must fail."""
     import specdecode.engine.verify as verify_mod
@@ -226,6 +229,7 @@ def test_target_only_joint_check_catches_a_biased_sampler(small_vocab_models, mo
     assert not ok
 
 
+@pytest.mark.heavy
 def test_engine_joint_check_catches_a_biased_engine(small_vocab_models, monkeypatch):
     """Negative control: the engine with resample-from-p after rejection must fail the check."""
     import specdecode.engine.verify as verify_mod

@@ -51,6 +51,7 @@ def sixth_token_run(pair8) -> tuple[np.ndarray, list]:
     return np.array([r.token_ids[5] for r in results]), results
 
 
+@pytest.mark.heavy
 def test_sixth_token_marginal_with_k4_equals_target(pair8):
     target, _ = pair8
     sixth, results = sixth_token_run(pair8)
@@ -62,6 +63,7 @@ def test_sixth_token_marginal_with_k4_equals_target(pair8):
     assert 0 < accepted < sum(r.stats.tested for r in results)
 
 
+@pytest.mark.heavy
 def test_sixth_token_check_catches_resampling_from_p(pair8, monkeypatch):
     target, _ = pair8
     resample_from_p_after_rejection(monkeypatch)

@@ -183,6 +183,7 @@ def small_hybrid(tmp_path_factory):
     return load(t), load(d), load(a)  # float32: as powerful as float64 here, cheaper (NOTES, issue 36)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "case",
     ["snapshot", "recompute/tree"],  # each strategy once, a chain and a sampled tree
@@ -200,6 +201,7 @@ def test_sampling_keeps_the_two_token_joint(small_hybrid, case):
     assert accepted > 0
 
 
+@pytest.mark.heavy
 def test_two_token_check_catches_a_target_whose_state_is_not_rolled_back(small_hybrid, monkeypatch):
     """Negative control: rewind lowers the lengths but leaves the recurrent state as the
     rejected drafts left it. The same check must reject the output."""

@@ -31,6 +31,7 @@ def cfg(pair_dir, far_draft):
     )
 
 
+@pytest.mark.heavy
 def test_residual_rule_keeps_target_distribution_and_resampling_from_p_does_not(cfg):
     target, draft = cfg.model(cfg.target), cfg.model(cfg.drafts[1])
     ids = target.tokenizer.encode(cfg.prompt)
@@ -135,6 +136,7 @@ def test_speedup_experiment_reports_prediction_and_measurement_per_k(cfg):
         assert 1 <= s["optimal_k_c_params"] <= 16 and s["c_measured"] > 0
 
 
+@pytest.mark.heavy
 def test_lesson2_trains_its_toy_pair_and_its_checks_hold():
     res = run_experiment("lesson2", LabConfig(quick=True, progress=False))
     assert all(res.checks.values()), res.checks

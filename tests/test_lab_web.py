@@ -276,6 +276,7 @@ def test_browser_roofline_widget_follows_model_hardware_and_k(page):
     page.locator("#roofline").screenshot(path=ARTIFACTS / "lab-roofline.png")
 
 
+@pytest.mark.heavy
 def test_browser_rules_widget_round_prediction_and_histograms(page):
     page.click("#ru-round")
     page.wait_for_selector("#ru-verdict")

@@ -43,6 +43,7 @@ def generator(models, method, policy, k=3, **kw):
 # -- sampling exactness through the engine -------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_rows_with_fewer_drafts_are_verified_as_if_they_drafted_only_those():
     """verify_chain with draft_lengths: the first emitted token follows p_0 whatever the length."""
     rng = np.random.default_rng(0)

@@ -150,6 +150,7 @@ def _two_token(pair):
     return draft_pair_two_tokens(*pair, PROMPT, RUNS)
 
 
+@pytest.mark.heavy
 def test_two_token_joint_through_openvino_equals_the_target(ov_v16):
     pairs, joint, rate = _two_token(ov_v16)
     ok, msg = check_distribution(pairs, joint)
@@ -157,6 +158,7 @@ def test_two_token_joint_through_openvino_equals_the_target(ov_v16):
     assert 0.2 < rate < 0.95, rate
 
 
+@pytest.mark.heavy
 def test_two_token_check_through_openvino_catches_resampling_from_p(ov_v16, monkeypatch):
     resample_from_p_after_rejection(monkeypatch)
     pairs, joint, _ = _two_token(ov_v16)

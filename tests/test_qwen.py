@@ -131,6 +131,7 @@ def _two_token(pair):
     return draft_pair_two_tokens(*pair, PROMPT, RUNS)
 
 
+@pytest.mark.heavy
 def test_two_token_joint_on_qwen3_equals_the_target(qwen3_v16):
     pairs, joint, rate = _two_token(qwen3_v16)
     ok, msg = check_distribution(pairs, joint)
@@ -138,6 +139,7 @@ def test_two_token_joint_on_qwen3_equals_the_target(qwen3_v16):
     assert 0.2 < rate < 0.95, rate
 
 
+@pytest.mark.heavy
 def test_two_token_check_on_qwen3_catches_resampling_from_p(qwen3_v16, monkeypatch):
     resample_from_p_after_rejection(monkeypatch)
     pairs, joint, _ = _two_token(qwen3_v16)

@@ -112,6 +112,7 @@ def test_negative_control_noise_keyed_by_stream_position_breaks_the_invariance(t
     assert sum(a != b for a, b in zip(drafted, plain)) >= len(PROMPTS) // 2
 
 
+@pytest.mark.heavy
 def test_negative_control_one_noise_for_every_position_breaks_the_distribution(vocab16_dirs, monkeypatch):
     """Noise keyed by the seed alone (the same E at every position): x1 and x2 are no longer
     independent draws, and the two-token joint check must fail; keyed by position it passes."""

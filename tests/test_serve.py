@@ -415,6 +415,7 @@ def test_disconnect_mid_stream_frees_the_row(server):
         time.sleep(0.05)
 
 
+@pytest.mark.heavy
 def test_memory_stays_flat_over_1000_requests(server):
     """1,200 requests, each with its own 70-token prompt, so the prefix cache fills to its budget
     in the warm-up and evicts through the measured 1,000."""
@@ -461,6 +462,7 @@ def small_server(chat_target):
     srv.stop()
 
 
+@pytest.mark.heavy
 def test_schemathesis_finds_no_server_error(small_server):
     """Property-based requests from the served OpenAPI schema: no 5xx, every response in the
     documented schema and status codes, invalid requests rejected, valid ones accepted."""
@@ -641,6 +643,7 @@ def load_aware_pairs(small_vocab, prompt):
     return np.array([r.token_ids[0] * V + r.token_ids[1] for r in results]), caps
 
 
+@pytest.mark.heavy
 def test_load_aware_policy_keeps_the_two_token_distribution(small_vocab):
     prompt = [5, 9, 2]
     pairs, caps = load_aware_pairs(small_vocab, prompt)
@@ -649,6 +652,7 @@ def test_load_aware_policy_keeps_the_two_token_distribution(small_vocab):
     assert ok, msg
 
 
+@pytest.mark.heavy
 def test_load_aware_two_token_check_catches_resampling_from_p(small_vocab, monkeypatch):
     resample_from_p_after_rejection(monkeypatch)
     prompt = [5, 9, 2]

@@ -147,6 +147,7 @@ def test_bad_training_input_is_a_clear_error(corpus, tmp_path, capsys):
     assert "no training state" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_target_alone_with_an_early_exit_loss_trains_its_first_layers_to_predict(corpus, tmp_path):
     """--models target --early-exit-layer 2: only the target is written, and its 2-layer exit
     predicts the held-out text far better than the same exit of a target trained without it."""

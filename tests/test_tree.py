@@ -34,6 +34,7 @@ def test_bad_tree_specs_are_clear_errors(spec):
         TokenTree.parse(spec)
 
 
+@pytest.mark.heavy
 def test_tree_verification_keeps_the_target_distribution():
     """First emitted token ~ p at the root; after an accepted depth-1 node, the next ~ p there."""
     rng = np.random.default_rng(1)
@@ -104,6 +105,7 @@ def test_tree_needs_method_draft_lean_models_and_fixed_policy(models, tmp_path):
         SpeculativeGenerator(target, draft=hf, tree="2,2")
 
 
+@pytest.mark.heavy
 def test_tree_check_catches_resampling_from_p_after_every_candidate_is_rejected():
     """Negative control: redraw the first token from p itself (not from p without the rejected
     candidates) when the walk stops at the root; the same check must reject it."""
@@ -158,6 +160,7 @@ def sampled_tree_case(without: bool, B: int = 200_000, seed: int = 1):
     return args, p, q, g
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("without", [False, True], ids=["with-replacement", "without-replacement"])
 def test_sampled_tree_verification_keeps_the_target_distribution(without):
     """First emitted token ~ p at the root, and after an accepted node 1 the next ~ p there,
@@ -175,6 +178,7 @@ def test_sampled_tree_verification_keeps_the_target_distribution(without):
     assert 0 < sum(len(path) == 2 for path in v.path) < B
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("without", [False, True], ids=["with-replacement", "without-replacement"])
 def test_sampled_tree_check_catches_the_wrong_rules(without):
     """Negative controls on the same draws: (1) the right rule, but a walk that stops at the root
@@ -222,6 +226,7 @@ def test_tree_sampling_needs_a_tree_and_a_known_mode(models):
         SpeculativeGenerator(target, draft=draft, tree="2,2", tree_sampling="random")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("without", [False, True], ids=["with-replacement", "without-replacement"])
 def test_sampled_tree_check_catches_swapped_p_and_q(without):
     """Negative control: the verifier given the draft's q as the target's p and p as q (swapped)

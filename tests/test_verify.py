@@ -46,6 +46,7 @@ def first_tokens(verdict) -> np.ndarray:
     return verdict.tokens[:, 0].numpy()
 
 
+@pytest.mark.heavy
 def test_chain_rule_output_follows_target_distribution():
     p, q = dirichlet(1), dirichlet(2)
     ok, msg = check_distribution(first_tokens(run_chain(p, q)), p.numpy())
@@ -60,6 +61,7 @@ def test_acceptance_rate_equals_one_minus_tv():
     assert abs(rate - alpha) < 4 * (alpha * (1 - alpha) / N) ** 0.5 + 1e-9
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("k", [2, 4])
 def test_second_token_after_acceptance_follows_target(k):
     p, q = dirichlet(5), dirichlet(6)
@@ -84,6 +86,7 @@ def test_second_token_after_acceptance_follows_target(k):
     assert ok, msg
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("draft_token", [0, 5])
 def test_one_hot_draft_keeps_target_distribution(draft_token):
     p = dirichlet(8)
@@ -91,6 +94,7 @@ def test_one_hot_draft_keeps_target_distribution(draft_token):
     assert ok, msg
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "params",
     [
@@ -111,6 +115,7 @@ def test_warped_distributions_are_kept(params):
     assert ok, msg
 
 
+@pytest.mark.heavy
 def test_equal_distributions_always_accept_and_stay_exact():
     p = dirichlet(9)
     v = run_chain(p, p.clone(), k=3)
@@ -163,12 +168,14 @@ def resample_from_target_rule(draft_tokens, draft_probs, target_probs, uniforms,
     return v
 
 
+@pytest.mark.heavy
 def test_negative_control_resample_from_target_is_caught():
     p, q = dirichlet(1), dirichlet(2)
     ok, msg = check_distribution(first_tokens(run_chain(p, q, rule=resample_from_target_rule)), p.numpy())
     assert not ok, msg
 
 
+@pytest.mark.heavy
 def test_negative_control_swapped_target_and_draft_is_caught():
     p, q = dirichlet(1), dirichlet(2)
     g = torch.Generator().manual_seed(0)

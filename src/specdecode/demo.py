@@ -10,10 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .chat import STYLE, stream_coloured
 from .core.theory import expected_tokens_per_round
 from .errors import SpecDecodeError
-
-STYLE = {"accepted": "green", "resampled": "yellow", "bonus": "bold magenta"}
 
 
 @dataclass(frozen=True)
@@ -34,18 +33,7 @@ def _stream_coloured(console: Console, gen, tokenizer, prompt, params, label: st
     """Print the prompt (or `label` for a chat), then every emitted token in the colour of how it
     was produced."""
     console.print(Text(prompt if label is None else label, style="bold"), end="")
-    tokens: list[int] = []
-    shown = ""
-    run = gen.stream([prompt], params)
-    for event in run:
-        (rec,) = event.records()
-        for tok, how in zip(rec.emitted_token_ids, rec.how):
-            tokens.append(tok)
-            text = tokenizer.decode(tokens)
-            if text.endswith("\ufffd") or not text.startswith(shown):
-                continue  # an incomplete UTF-8 character: wait for the rest
-            console.print(Text(text[len(shown) :], style=STYLE[how]), end="")
-            shown = text
+    stream_coloured(console, gen.stream([prompt], params), tokenizer)
     console.print()
 
 

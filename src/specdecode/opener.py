@@ -157,6 +157,26 @@ class Loaded:
     config: SpecConfig
 
 
+def default_method(target: str, draft: str | None, method: str | None) -> str | None:
+    """The drafting method a front end (serve, chat) runs when none is asked: draft with a draft
+    model; auto for a known model without one (suffix matches, and the bundled EAGLE-3 drafter
+    where there is one); else none. "none" asks for no speculation."""
+    from .models import ZOO
+
+    if method == "none":
+        return None
+    if method is not None:
+        return method
+    if draft:
+        return "draft"
+    return "auto" if str(target) in ZOO else None
+
+
+def default_k(target: str) -> int:
+    """k when none is asked: 2 for smollm2-135m (its measured best), else 4."""
+    return 2 if str(target) == "smollm2-135m" else 4
+
+
 def open_models(
     target: str,
     *,

@@ -8,6 +8,7 @@ import sys
 from ..errors import SpecDecodeError
 from . import (
     bench,
+    chat,
     demo,
     distill_data,
     draft_vocab,
@@ -27,6 +28,7 @@ from .common import Parser
 
 COMMANDS = (
     generate,
+    chat,
     import_gguf,
     init_model,
     models,

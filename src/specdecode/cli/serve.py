@@ -150,16 +150,10 @@ def build(args: argparse.Namespace):
 
     from ..engine import SpeculativeGenerator
     from ..engine.policy import LoadCosts, OnlineCosts
-    from ..models import ZOO
-    from ..opener import open_models, spec_fields
+    from ..opener import default_k, default_method, open_models, spec_fields
 
-    zoo = args.target in ZOO
-    method = args.method if args.method is not None else ("auto" if zoo and not args.draft else None)
-    if method == "none":
-        method = None
-    if method is None and args.draft:
-        method = "draft"
-    k = args.k or (2 if args.target == "smollm2-135m" else 4)
+    method = default_method(args.target, args.draft, args.method)
+    k = args.k or default_k(args.target)
     options = spec_fields(spec_config(args, k=k, method=method))
     options.pop("k")
     loaded = open_models(

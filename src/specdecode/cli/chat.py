@@ -1,0 +1,125 @@
+"""`specdecode chat`: an interactive multi-turn chat through the speculative engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import SpecDecodeError
+from .options import add_format_flags, add_spec_flags, spec_config
+
+
+def register(sub) -> None:
+    c = sub.add_parser(
+        "chat",
+        help="talk to a model, turn after turn: answers streamed, drafted tokens coloured",
+        description="An interactive chat with MODEL through exact speculative decoding. Each answer is "
+        "streamed as rounds finish, every token coloured by how it was made (green: an accepted draft "
+        "token; yellow: resampled at a rejection; magenta: the target's bonus token). The conversation "
+        "goes through the model's chat template, and with the prefix cache (on with the batch-invariant "
+        "forward) each turn reuses the earlier turns' keys and values. Commands: /stats, /reset, "
+        "/system TEXT, /temperature T, /help, /exit; Ctrl-C stops an answer, Ctrl-D leaves. Default "
+        "model: the Qwen2.5-Coder pair when installed (make models), else smollm2-135m.",
+    )
+    c.add_argument("--target", metavar="MODEL", help="bundled name or model dir (default: see above)")
+    c.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
+    c.add_argument(
+        "--method",
+        help="drafting method (default: draft with --draft, auto for a known model, else none); "
+        "none: no speculation",
+    )
+    add_spec_flags(c, ("k", "policy", "heads", "draft_dtype", "draft_vocab"), k=None, policy=None)
+    c.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
+    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1] (default 0.95)")
+    c.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="fix the text: turn i is drawn with seed + i under the invariant rule, so the same "
+        "conversation gives the same answers whatever the drafter (default: fresh randomness)",
+    )
+    c.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
+    c.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=512,
+        metavar="MB",
+        help="memory for the earlier turns' keys and values (0: off; default 512)",
+    )
+    c.add_argument("--no-color", action="store_true", help="plain text, no colours")
+    add_format_flags(c)
+    c.set_defaults(func=_chat)
+
+
+def default_target() -> tuple[str, str | None]:
+    """The pair when its packages are installed, else SmolLM2-135M (shipped with make install)."""
+    from ..demo import PAIR_DRAFT, PAIR_TARGET
+    from ..models import ZOO
+
+    if ZOO[PAIR_TARGET].installed() and ZOO[PAIR_DRAFT].installed():
+        return PAIR_TARGET, PAIR_DRAFT
+    return "smollm2-135m", None
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..chat import ChatSession, run_chat
+    from ..core.sampling import SamplingParams
+    from ..engine import SpeculativeGenerator
+    from ..opener import check_draft_dtype, default_k, default_method, open_models, spec_fields
+
+    if args.max_tokens < 1:
+        raise SpecDecodeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.prefix_cache_mb < 0:
+        raise SpecDecodeError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_tokens,
+        sampling_rule="auto",  # a seed fixes the text whatever the drafter
+    )
+    target, draft = (args.target, args.draft) if args.target else default_target()
+    if args.draft and not args.target:
+        raise SpecDecodeError("--draft needs --target")
+    method = default_method(target, draft, args.method)
+    check_draft_dtype(args.draft_dtype, draft, method)
+    k = args.k or default_k(target)
+    options = spec_fields(spec_config(args, k=k, method=method), keep_default_policy=args.policy is None)
+    options.pop("k")
+    console = Console(highlight=False, no_color=args.no_color)
+    console.print(f"specdecode chat: loading {target}" + (f" with {draft}" if draft else ""), style="dim")
+    loaded = open_models(
+        target,
+        draft=draft,
+        method=method,
+        k=k,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        backend=args.backend,
+        device=args.device,
+        batch_invariant=args.batch_invariant,
+        log=lambda line: console.print(line.replace("specdecode:", "specdecode chat:", 1), style="dim"),
+        **options,
+    )
+    gen = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
+    gen.choice = loaded.choice
+    cache = "off"
+    if args.prefix_cache_mb > 0:
+        try:
+            gen.enable_prefix_cache(args.prefix_cache_mb << 20)
+            cache = f"on ({args.prefix_cache_mb} MB)"
+        except SpecDecodeError as e:
+            cache = f"off: {e}"
+    session = ChatSession(gen, params, system=args.system, console=console)
+    what = f"{gen.method}, k = {gen.k}" if gen.method else "no speculation"
+    console.print(
+        f"specdecode chat: {target} ({what}; prefix cache {cache}). /help lists the commands; "
+        "Ctrl-C stops an answer, Ctrl-D leaves.",
+        style="dim",
+    )
+    if sys.stdin.isatty():
+        import readline  # noqa: F401 - line editing and history for input()
+    return run_chat(session)

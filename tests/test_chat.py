@@ -1,0 +1,172 @@
+"""`specdecode chat` through a pseudo-terminal, as a user meets it: answers streamed with the
+drafted tokens coloured, /stats with the prefix cache reused on the second turn, /reset,
+/system, /temperature, Ctrl-C stops an answer without leaving, a seed fixes the text, and
+Ctrl-D leaves. A tiny random pair with a chat template written in the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_pair(pair_dir, tmp_path_factory):
+    """The tiny pair with a chat template; its end-of-text id removed from the target's config,
+    so an answer runs to its token budget (the Ctrl-C test needs a long one)."""
+    root = tmp_path_factory.mktemp("chat")
+    out = []
+    for src, name in zip(pair_dir, ("target", "draft")):
+        dst = root / name
+        shutil.copytree(src, dst)
+        tc = dst / "tokenizer_config.json"
+        cfg = json.loads(tc.read_text()) if tc.exists() else {}
+        tc.write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(config | {"eos_token_id": None}))
+        out.append(dst)
+    return out
+
+
+class Terminal:
+    """A process on a pseudo-terminal: type into it, wait for what it prints."""
+
+    def __init__(self, argv: list[str]) -> None:
+        env = dict(os.environ, TERM="xterm-256color", COLUMNS="120", OMP_NUM_THREADS="1")
+        env.pop("NO_COLOR", None)
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C is SIGINT)
+            os.execvpe(argv[0], argv, env)
+        self.raw = ""
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def expect(self, pattern: str, timeout: float = 120.0) -> str:
+        """Read until `pattern` (a regex, on the text without colour codes) appears after what
+        an earlier expect consumed; return the raw output read up to it."""
+        start, end = len(self.raw), time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, ANSI.sub("", self.raw[start:]))
+            if m:
+                return self.raw[start:]
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out waiting for {pattern!r}; got:\n{ANSI.sub('', self.raw[start:])}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:  # the child closed the terminal
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError(f"the process ended before {pattern!r}; got:\n{self.raw[start:]}")
+                self.raw += chunk.decode(errors="replace")
+
+    def close(self) -> int:
+        """Wait for the process to end (killing it after 30 s); its exit code."""
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:
+                os.read(self.fd, 65536)  # keep the terminal drained
+            except OSError:
+                time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        return -9
+
+
+def chat(pair, *flags: str) -> Terminal:
+    target, draft = pair
+    argv = [sys.executable, "-m", "specdecode.cli", "chat", "--target", str(target), "--draft", str(draft)]
+    term = Terminal(argv + ["--dtype", "fp32", *flags])
+    term.expect(r"/help lists the commands")
+    term.expect(r"> ")
+    return term
+
+
+@pytest.mark.heavy
+def test_chat_streams_coloured_answers_reuses_the_conversation_and_takes_commands(chat_pair):
+    term = chat(chat_pair, "--max-tokens", "24", "--temperature", "0")
+    try:
+        term.type("hello there, little model\r")
+        first = term.expect(r"\n> ")
+        # drafted tokens coloured: accepted (green), resampled (yellow) or bonus (bold magenta)
+        assert re.search(r"\x1b\[(32|33|1;35)m", first), "no coloured token in the answer"
+        term.type("/stats\r")
+        stats = ANSI.sub("", term.expect(r"tau [0-9.]+.*\n(.*\n)?> "))
+        assert "time to first token" in stats and "acceptance" in stats
+        term.type("and another thing\r")
+        term.expect(r"\n> ")
+        term.type("/stats\r")
+        stats = ANSI.sub("", term.expect(r"tau [0-9.]+.*\n(.*\n)?> "))
+        cached = int(re.search(r"(\d+) of them from the prefix cache", stats).group(1))
+        assert cached > 0, "the second turn prefilled the first turn again"
+        term.type("/temperature nope\r")
+        term.expect(r"needs a number")
+        term.type("/temperature 0.5\r")
+        term.expect(r"temperature 0\.5")
+        term.type("/system be brief\r")
+        term.expect(r"system message set: be brief; conversation cleared")
+        term.type("/reset\r")
+        term.expect(r"conversation cleared")
+        term.type("/bogus\r")
+        term.expect(r"unknown command /bogus")
+        term.type("\x04")  # Ctrl-D at the prompt leaves
+        assert term.close() == 0
+    finally:
+        term.close()
+
+
+@pytest.mark.heavy
+def test_ctrl_c_stops_an_answer_without_leaving_the_chat(chat_pair):
+    term = chat(chat_pair, "--max-tokens", "3000", "--temperature", "0")
+    try:
+        term.type("go on forever\r")
+        term.expect(r"\S")  # the answer has started
+        term.type("\x03")  # Ctrl-C
+        term.expect(r"\[stopped\]\s*\n> ")
+        term.type("/exit\r")
+        assert term.close() == 0
+    finally:
+        term.close()
+
+
+@pytest.mark.heavy
+def test_a_seed_fixes_the_conversation_whatever_the_drafter(chat_pair):
+    """--seed: turn i drawn with seed + i under the invariant rule: the same text with the draft
+    model and with no speculation at all."""
+
+    def answers(*flags: str) -> list[str]:
+        term = chat(chat_pair, "--max-tokens", "16", "--temperature", "1", "--seed", "7", *flags)
+        out = []
+        try:
+            for message in ("first question", "second question"):
+                term.type(message + "\r")
+                out.append(ANSI.sub("", term.expect(r"\n> ")).rsplit("\n> ", 1)[0].strip())
+            term.type("/exit\r")
+            assert term.close() == 0
+        finally:
+            term.close()
+        return out
+
+    drafted = answers()
+    assert drafted == answers("--method", "none")
+    assert drafted[0] and drafted[0] != drafted[1]
