@@ -25,9 +25,9 @@ import torch  # noqa: E402
 
 from specdecode import SamplingParams, SpecDecodeError, SpeculativeGenerator, load  # noqa: E402
 from specdecode.bench.prompts import CODE, PROSE  # noqa: E402
-from specdecode.opener import method_heads  # noqa: E402
 from specdecode.core.tree import TokenTree  # noqa: E402
 from specdecode.engine.stats import GenerationStats  # noqa: E402
+from specdecode.opener import method_heads  # noqa: E402
 
 CHAT = [
     "What is speculative decoding?",

@@ -1,7 +1,7 @@
 """The import structure of src/specdecode, read with the standard library's ast: no import cycle
 between modules (imports inside functions and under TYPE_CHECKING count too), the library in
 layers (a module imports only its own layer or lower ones), no library module imports an
-application (cli, serve, bench, lab, train, demo, plan), and the README's map lists every module."""
+application (cli, serve, bench, lab, train, demo, plan, chat), and the README's map lists every module."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-APPLICATIONS = ("cli", "serve", "bench", "lab", "train", "demo", "plan")
+APPLICATIONS = ("cli", "serve", "bench", "lab", "train", "demo", "plan", "chat")
 # the library's layers, bottom to top (the README's map); the applications sit above all of them
 LAYERS = (
     ("errors", "progress"),

@@ -25,7 +25,7 @@ STYLE = {"accepted": "green", "resampled": "yellow", "bonus": "bold magenta"}
 
 HELP = """commands:
   /stats           the last answer: time to first token, tokens/s, tokens per target forward (tau),
-                   acceptance, the draft's cost per round over the target's (c)
+                   acceptance, a drafted token's cost over a target forward's (c)
   /reset           forget the conversation (the system message stays)
   /system TEXT     set the system message and start over (/system alone: none)
   /temperature T   0 = greedy; with --seed, T > 0 draws with the invariant rule: the seed fixes the text
@@ -87,7 +87,9 @@ class TurnStats:
         ]
         if self.acceptance is not None:
             c = "-" if self.c is None else f"{self.c:.2f}"
-            out.append(f"acceptance {self.acceptance:.2f}, c {c} (draft time per round / target forward)")
+            out.append(
+                f"acceptance {self.acceptance:.2f}, c {c} (a drafted token's time over a target forward's)"
+            )
         return out
 
 
@@ -114,8 +116,17 @@ class ChatSession:
         return head + self.messages
 
     def answer(self, text: str) -> str:
-        """Stream the model's answer to the user's `text`; Ctrl-C stops it. Returns the answer
-        (as much as was written) and keeps both in the conversation."""
+        """Stream the model's answer to the user's `text`; Ctrl-C stops it at the next round
+        boundary (never inside a forward, so the caches stay consistent). Returns the answer (as
+        much as was written) and keeps both in the conversation."""
+        stop: list[bool] = []
+        old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+        try:
+            return self._answer(text, stop)
+        finally:
+            signal.signal(signal.SIGINT, old)
+
+    def _answer(self, text: str, stop: list[bool]) -> str:
         self.messages.append({"role": "user", "content": text})
         ids = self.gen.encode(self.conversation())
         room = self.room(len(ids))
@@ -134,9 +145,6 @@ class ChatSession:
         hits_before = self._cache_hits()
         run = self.gen.stream([ids], params)
         tokens: list[int] = []
-        stop: list[bool] = []
-        # Ctrl-C while answering: stop at the next round boundary, not inside a forward
-        old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
         try:
             shown = stream_coloured(
                 self.console,
@@ -147,8 +155,7 @@ class ChatSession:
                 stop=lambda: bool(stop),
             )
         finally:
-            signal.signal(signal.SIGINT, old)
-        self.console.print()
+            self.console.print()
         if stop:
             self.console.print(Text("[stopped]", style="dim"))
             self.messages.append({"role": "assistant", "content": shown})
@@ -161,8 +168,8 @@ class ChatSession:
             decode_s=(time.perf_counter() - first[0]) if first else 0.0,
             tau=st.tokens_per_forward,
             acceptance=st.acceptance_rate if st.drafted else None,
-            c=(st.draft_s / st.rounds) / (st.target_s / st.target_forwards)
-            if st.drafted and st.rounds and st.target_s > 0
+            c=(st.draft_s / st.drafted) / (st.target_s / st.target_forwards)
+            if st.drafted and st.target_s > 0
             else None,
             prompt_tokens=len(ids),
             cached_tokens=self._cache_hits() - hits_before,
