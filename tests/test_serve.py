@@ -719,6 +719,10 @@ def test_specdecode_serve_default_model_answers_the_openai_client(tmp_path):
                 assert time.time() < deadline, "the server did not start in 240 s"
                 time.sleep(0.5)
         assert models.data[0].id == "smollm2-135m"
+        # the start-up lines: the formats the auto choice took, and the memory they hold
+        started = (tmp_path / "serve.log").read_text()
+        assert "specdecode serve: formats: target " in started
+        assert "specdecode serve: memory: target weights" in started
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
         assert "Paris" in r.choices[0].message.content

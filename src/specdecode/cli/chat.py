@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import SpecDecodeError
-from .options import add_format_flags, add_spec_flags, spec_config
+from .options import add_format_flags, add_sampling_flags, add_spec_flags, sampling_params, spec_config
 
 
 def register(sub) -> None:
@@ -30,16 +30,14 @@ def register(sub) -> None:
     )
     add_spec_flags(c, ("k", "policy", "heads", "draft_dtype", "draft_vocab"), k=None, policy=None)
     c.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
-    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1] (default 0.95)")
-    c.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="fix the text: turn i is drawn with seed + i under the invariant rule, so the same "
-        "conversation gives the same answers whatever the drafter (default: fresh randomness)",
+    add_sampling_flags(
+        c,
+        ("temperature", "top_p", "seed", "max_new_tokens"),
+        flags={"max_new_tokens": "--max-tokens"},
+        temperature=0.7,
+        top_p=0.95,
+        max_new_tokens=512,
     )
-    c.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
     c.add_argument(
         "--prefix-cache-mb",
         type=int,
@@ -66,21 +64,15 @@ def _chat(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..chat import ChatSession, run_chat
-    from ..core.sampling import SamplingParams
     from ..engine import SpeculativeGenerator
     from ..opener import check_draft_dtype, default_k, default_method, open_models, spec_fields
 
-    if args.max_tokens < 1:
-        raise SpecDecodeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.prefix_cache_mb < 0:
         raise SpecDecodeError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_new_tokens=args.max_tokens,
-        sampling_rule="auto",  # a seed fixes the text whatever the drafter
-    )
+    if args.max_new_tokens < 1:
+        raise SpecDecodeError(f"--max-tokens must be >= 1, got {args.max_new_tokens}")
+    # a seed fixes the text whatever the drafter: turn i is drawn with seed + i, invariant rule
+    params = sampling_params(args, sampling_rule="auto")
     target, draft = (args.target, args.draft) if args.target else default_target()
     if args.draft and not args.target:
         raise SpecDecodeError("--draft needs --target")

@@ -9,7 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from .options import add_format_flags, add_sampling_rule_flag, add_spec_flags, spec_config
+from .options import (
+    add_format_flags,
+    add_sampling_flags,
+    add_sampling_rule_flag,
+    add_spec_flags,
+    sampling_params,
+    spec_config,
+)
 
 
 def register(sub) -> None:
@@ -24,18 +31,12 @@ def register(sub) -> None:
     g.add_argument("--target", required=True, metavar="MODEL", help="bundled name or Hugging Face model dir")
     g.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's vocabulary")
     add_spec_flags(g, policy=None)  # None: open_models' default for the drafter (opener.default_policy)
-    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below P x the top probability")
-    g.add_argument("--seed", type=int, default=None, help="random seed (default: fresh randomness)")
+    add_sampling_flags(g, ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens"))
     add_sampling_rule_flag(g)
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     g.add_argument(
         "--num-return-sequences", type=int, default=1, help="independent samples, run as one batch"
     )
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-text token")
+    add_sampling_flags(g, ("stop", "ignore_eos"))
     g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     g.add_argument(
         "--chat",
@@ -57,7 +58,6 @@ def register(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ..core.sampling import SamplingParams
     from ..opener import check_draft_dtype
 
     # validate everything cheap before loading any model
@@ -69,17 +69,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = spec_config(args, method=args.method or ("draft" if args.draft else None))
     if args.cost_model and args.policy != "optimal":
         raise SpecDecodeError("--cost-model is read by --policy optimal only")
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        sampling_rule=args.sampling_rule,
-    )
+    params = sampling_params(args)
     from ..engine import SpeculativeGenerator
     from ..engine.policy import CostModel
     from ..engine.stats import GenerationStats

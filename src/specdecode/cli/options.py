@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from ..core.config import DRAFT_DTYPES, POLICIES, SpecConfig
-from ..core.sampling import RULE_CHOICES
+from ..core.sampling import RULE_CHOICES, SamplingParams
 from ..core.tree import TREE_SAMPLING
 from ..errors import SpecDecodeError
 from ..formats import BACKENDS, WEIGHT_FORMATS
@@ -156,6 +156,67 @@ def add_format_flags(parser, invariant_help: str | None = None) -> None:
         "our lean runtime on CPU; its price is measured in the format choice, docs/batch-invariance.md); "
         "--no-batch-invariant opts out",
     )
+
+
+@dataclass(frozen=True)
+class SamplingOption:
+    """One SamplingParams field as a flag (--field-name unless `flag` says otherwise); the default
+    is SamplingParams' unless a command overrides it; validation is SamplingParams'."""
+
+    field: str
+    help: str
+    type: Any = None
+    action: str | None = None
+    flag: str | None = None
+
+    @property
+    def default(self) -> Any:
+        f = next(f for f in fields(SamplingParams) if f.name == self.field)
+        return f.default_factory() if f.default is MISSING else f.default
+
+
+SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
+    SamplingOption("temperature", "0 = greedy (default %(default)s)", float),
+    SamplingOption("top_k", "keep the K most likely tokens (0 = off; default %(default)s)", int),
+    SamplingOption("top_p", "nucleus sampling mass in (0, 1] (default %(default)s; 1 = off)", float),
+    SamplingOption("min_p", "drop tokens below P x the top probability (default %(default)s)", float),
+    SamplingOption("seed", "random seed (default: fresh randomness)", int),
+    SamplingOption("max_new_tokens", "tokens to generate at most (default %(default)s)", int),
+    SamplingOption("stop", "stop string (repeatable)", action="append"),
+    SamplingOption("ignore_eos", "keep going after the end-of-text token", action="store_true"),
+)
+SAMPLING_BY_FIELD = {o.field: o for o in SAMPLING_OPTIONS}
+
+
+def add_sampling_flags(
+    parser, names: tuple[str, ...], flags: dict[str, str] | None = None, **defaults: Any
+) -> None:
+    """Add these SamplingParams fields as flags; `flags` renames one (chat: max_new_tokens is
+    --max-tokens, as in the server's requests), `defaults` overrides SamplingParams' default for
+    this command."""
+    for name in names:
+        o = SAMPLING_BY_FIELD[name]
+        flag = (flags or {}).get(name) or "--" + name.replace("_", "-")
+        default = defaults.get(name, [] if o.action == "append" else o.default)
+        kw: dict[str, Any] = {"dest": name, "default": default, "help": o.help}
+        if o.action:
+            kw["action"] = o.action
+            if o.action == "append":
+                kw["metavar"] = "TEXT"
+        else:
+            kw["type"] = o.type
+        parser.add_argument(flag, **kw)
+
+
+def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
+    """The SamplingParams of parsed flags (fields a command did not declare keep their defaults),
+    validated now; a bad value is SamplingParams' one-line error."""
+    values = {o.field: getattr(args, o.field) for o in SAMPLING_OPTIONS if hasattr(args, o.field)}
+    if "stop" in values:
+        values["stop"] = tuple(values["stop"])
+    if hasattr(args, "sampling_rule"):
+        values["sampling_rule"] = args.sampling_rule
+    return SamplingParams(**(values | overrides))
 
 
 def add_sampling_rule_flag(parser, default: str = "standard", extra: str = "") -> None:

@@ -152,6 +152,12 @@ def build(args: argparse.Namespace):
     from ..engine.policy import LoadCosts, OnlineCosts
     from ..opener import default_k, default_method, open_models, spec_fields
 
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        print(line.replace("specdecode:", "specdecode serve:", 1), file=sys.stderr)
+
     method = default_method(args.target, args.draft, args.method)
     k = args.k or default_k(args.target)
     options = spec_fields(spec_config(args, k=k, method=method))
@@ -166,9 +172,11 @@ def build(args: argparse.Namespace):
         backend=args.backend,
         device=args.device,
         batch_invariant=args.batch_invariant,
-        log=lambda line: print(line.replace("specdecode:", "specdecode serve:", 1), file=sys.stderr),
+        log=say,
         **options,
     )
+    if not said:  # nothing measured: still say which formats run, as every start does
+        say(loaded.choice.line())
     target, draft, config = loaded.target, loaded.draft, loaded.config
     gen = SpeculativeGenerator(target, draft=draft, config=config)
     gen.choice = loaded.choice
