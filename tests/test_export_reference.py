@@ -182,6 +182,7 @@ def test_a_misread_layout_fails_the_comparison(tmp_path):
         assert_same_logits(reference_logits(ckpt, next_tokens, aux, misread=True), ours)
 
 
+@pytest.mark.heavy
 def test_exported_smollm2_eagle3_runs_under_vllms_forward_as_ours(tmp_path):
     from specdecode.models import models_dir, resolve
     from specdecode.models.llama import LlamaModel

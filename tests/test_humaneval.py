@@ -1,6 +1,8 @@
 """HumanEval as a bench prompt set: the tasks load, and pass@1 runs each completion with its
 task's own tests (a right answer passes, a wrong one, a crash and a hang fail)."""
 
+import pytest
+
 from specdecode.bench.humaneval import pass_at_1, program, raw_completion
 from specdecode.bench.model_bench import read_prompts
 
@@ -13,6 +15,7 @@ def test_humaneval_prompts_load_with_their_tasks():
     assert first["chat_text"].endswith("```") and first["text"] in first["chat_text"]
 
 
+@pytest.mark.heavy
 def test_pass_at_1_passes_a_right_completion_and_fails_wrong_crashing_and_hanging_ones():
     task = read_prompts("humaneval")[1]["task"]  # truncate_number: the decimal part
     right = "    return number % 1.0\n\ndef unrelated():\n    raise SystemExit(1)\n"

@@ -150,6 +150,7 @@ def generators(hybrid, eagle: Path, eagle3: Path, rollback: str) -> dict:
     }
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::specdecode.drafters.early_exit.UntrainedExitWarning")
 @pytest.mark.parametrize("rollback", ROLLBACKS)
 def test_greedy_output_equals_target_only_with_every_method_batch_1_and_ragged(

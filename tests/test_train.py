@@ -39,6 +39,7 @@ def test_corpus_split_holds_out_five_percent_and_tokenizer_knows_every_byte(corp
     assert tok.decode(tok.encode(sample).ids) == sample
 
 
+@pytest.mark.heavy
 def test_family_trains_writes_loadable_checkpoints_and_cards(corpus, tmp_path, capsys, monkeypatch):
     out = tmp_path / "tk"
     code = main(
@@ -79,6 +80,7 @@ def weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.heavy
 def test_resumed_run_equals_uninterrupted_run(corpus, tmp_path, monkeypatch):
     family = FAMILIES["three-kingdoms"]
     train_family(family, corpus, tmp_path / "full", **TINY)
@@ -184,6 +186,7 @@ def test_target_alone_with_an_early_exit_loss_trains_its_first_layers_to_predict
     assert exit_loss(tmp_path / "ee") < exit_loss(tmp_path / "plain") - 0.2
 
 
+@pytest.mark.heavy
 def test_hybrid_trains_only_when_named_beside_the_target_on_the_same_batches(corpus, tmp_path):
     """--models target,hybrid: both written; the hybrid loads in our runtime, matches its training
     module, and its card reports its held-out loss beside the attention-only target's."""
