@@ -243,9 +243,7 @@ def calibrate(gen, sizes: list[int]):
         if sys.stderr.isatty():
             print(f"\r  {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-    from ..engine.calibrate import measure_load_costs
-
-    return measure_load_costs(gen.spec, sizes, progress=progress)
+    return gen.measure_load_costs(sizes, progress=progress)
 
 
 def _serve(args: argparse.Namespace) -> int:
