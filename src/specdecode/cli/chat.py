@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import SpecDecodeError
-from .options import add_format_flags, add_sampling_flags, add_spec_flags, sampling_params, spec_config
+from .options import add_format_flags, add_sampling_flags, add_spec_flags, open_from_flags, sampling_params
 
 
 def register(sub) -> None:
@@ -65,7 +65,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     from ..chat import ChatSession, run_chat
     from ..engine import SpeculativeGenerator
-    from ..opener import check_draft_dtype, default_k, default_method, open_models, spec_fields
+    from ..opener import check_draft_dtype, default_method
 
     if args.prefix_cache_mb < 0:
         raise SpecDecodeError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
@@ -78,23 +78,15 @@ def _chat(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--draft needs --target")
     method = default_method(target, draft, args.method)
     check_draft_dtype(args.draft_dtype, draft, method)
-    k = args.k or default_k(target)
-    options = spec_fields(spec_config(args, k=k, method=method), keep_default_policy=args.policy is None)
-    options.pop("k")
     console = Console(highlight=False, no_color=args.no_color)
     console.print(f"specdecode chat: loading {target}" + (f" with {draft}" if draft else ""), style="dim")
-    loaded = open_models(
+    loaded = open_from_flags(
+        args,
         target,
-        draft=draft,
-        method=method,
-        k=k,
-        dtype=args.dtype,
-        draft_dtype=args.draft_dtype,
-        backend=args.backend,
-        device=args.device,
-        batch_invariant=args.batch_invariant,
-        log=lambda line: console.print(line.replace("specdecode:", "specdecode chat:", 1), style="dim"),
-        **options,
+        draft,
+        method,
+        lambda line: console.print(line.replace("specdecode:", "specdecode chat:", 1), style="dim"),
+        keep_default_policy=args.policy is None,
     )
     gen = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
     gen.choice = loaded.choice

@@ -256,3 +256,26 @@ def spec_config(args: argparse.Namespace, **overrides: Any) -> SpecConfig:
         if o is None:
             raise
         raise SpecDecodeError(o.flag + str(e)[len(o.field) :]) from None
+
+
+def open_from_flags(args: argparse.Namespace, target: str, draft: str | None, method: str | None, log, **kw):
+    """The models and SpecConfig of a command's parsed flags (serve, chat): k's default from the
+    opener, the spec flags validated, the format flags, through opener.open_models."""
+    from ..opener import default_k, open_models, spec_fields
+
+    k = args.k or default_k(target)
+    options = spec_fields(spec_config(args, k=k, method=method), **kw)
+    options.pop("k")
+    return open_models(
+        target,
+        draft=draft,
+        method=method,
+        k=k,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        backend=args.backend,
+        device=args.device,
+        batch_invariant=args.batch_invariant,
+        log=log,
+        **options,
+    )

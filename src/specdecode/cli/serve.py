@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from .options import add_format_flags, add_sampling_rule_flag, add_spec_flags, spec_config
+from .options import add_format_flags, add_sampling_rule_flag, add_spec_flags, open_from_flags, spec_config
 
 
 def register(sub) -> None:
@@ -150,7 +150,7 @@ def build(args: argparse.Namespace):
 
     from ..engine import SpeculativeGenerator
     from ..engine.policy import LoadCosts, OnlineCosts
-    from ..opener import default_k, default_method, open_models, spec_fields
+    from ..opener import default_method
 
     said: list[str] = []
 
@@ -159,22 +159,7 @@ def build(args: argparse.Namespace):
         print(line.replace("specdecode:", "specdecode serve:", 1), file=sys.stderr)
 
     method = default_method(args.target, args.draft, args.method)
-    k = args.k or default_k(args.target)
-    options = spec_fields(spec_config(args, k=k, method=method))
-    options.pop("k")
-    loaded = open_models(
-        args.target,
-        draft=args.draft,
-        method=method,
-        k=k,
-        dtype=args.dtype,
-        draft_dtype=args.draft_dtype,
-        backend=args.backend,
-        device=args.device,
-        batch_invariant=args.batch_invariant,
-        log=say,
-        **options,
-    )
+    loaded = open_from_flags(args, args.target, args.draft, method, say)
     if not said:  # nothing measured: still say which formats run, as every start does
         say(loaded.choice.line())
     target, draft, config = loaded.target, loaded.draft, loaded.config
