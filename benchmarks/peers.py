@@ -52,6 +52,7 @@ LLAMA_TOOLS = (
     "llama-lookup",
     "llama-quantize",
     "llama-bench",
+    "llama-server",
 )
 THREADS = 2
 
@@ -100,7 +101,7 @@ def build_llama_cpp(dest: Path) -> Path:
             "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
             "-DLLAMA_CURL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF",
-            "-DLLAMA_BUILD_SERVER=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",  # llama-server: benchmarks/serve.py --peer llama-server
         ],
         check=True,
     )

@@ -18,6 +18,12 @@ Three scenarios (OUT/serve-bench.json, .md and .png):
   turns and answers), against the default method's server with the prefix cache on, then off:
   TTFT per turn, the turn-k TTFT with the cache over the same prompt's without, and whether the
   answers (greedy, and seeded T = 1) are the same with and without.
+- `--peer llama-server`: llama.cpp's server (built with `benchmarks/peers.py --build-llama-cpp`,
+  the same llama.cpp as the peers table) on the same GGUF files, with the same threads, started
+  as CPU users serve with it: plain (`-m target.gguf`) and with the draft model
+  (`-md draft.gguf`, its default draft settings), one slot per client (`-np` = the highest
+  concurrency); measured in the load scenario beside our servers, on the same prompts; their
+  ratios are read against our speculation-off server, with the same noise.
 - chunked: `--streams` greedy streams decoding, then one prompt of about `--long-tokens` tokens
   is admitted; the running streams' inter-token latency (gaps between streamed chunks) while the
   long prompt is prefilled, against the same streams without it, with chunked prefill auto, at a
@@ -102,23 +108,72 @@ class ServerProcess:
         self.cmd = cmd
         self.log = open(out / f"server-{label}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 1800
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"server {label} did not start; see {self.log.name}")
-            time.sleep(0.5)
+        wait_healthy(self, label, 1800)
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
         self.log.close()
+
+
+LLAMA_BIN = ROOT / "benchmarks" / ".llama.cpp" / "build" / "bin"
+PEERS = {"llama-server": False, "llama-server -md": True}  # label -> with the draft model
+
+
+class LlamaServerProcess:
+    """llama.cpp's llama-server on the same GGUF files as ours, `threads` threads, one slot per
+    client; ready when /health answers 200."""
+
+    def __init__(self, args, label: str, out: Path) -> None:
+        from specdecode.models import ZOO
+
+        exe = LLAMA_BIN / "llama-server"
+        if not exe.exists():
+            raise SystemExit(f"no {exe}; run .venv/bin/python benchmarks/peers.py --build-llama-cpp")
+        if args.target not in ZOO or (PEERS[label] and args.draft not in ZOO):
+            raise SystemExit("--peer llama-server needs known models (their GGUF files), e.g. the pair")
+        import torch
+
+        threads = str(torch.get_num_threads())
+        slots = max(args.cs)
+        self.port = free_port()
+        cmd = [str(exe), "-m", str(ZOO[args.target].gguf_path()), "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "-t", threads, "-tb", threads, "-np", str(slots)]
+        cmd += ["-c", str(4096 * slots), "--jinja", "--no-webui"]
+        if PEERS[label]:
+            cmd += ["-md", str(ZOO[args.draft].gguf_path()), "-td", threads, "-tbd", threads]
+        self.cmd = cmd
+        self.log = open(out / f"server-{label.replace(' ', '')}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_healthy(self, label, 600)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def wait_healthy(server, label: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while True:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        if server.proc.poll() is not None or time.time() > deadline:
+            raise SystemExit(f"server {label} did not start; see {server.log.name}")
+        time.sleep(0.5)
+
+
+def start(args, label: str, out: Path):
+    """Our server for a method label ("none (again)": a second speculation-off server), or a peer."""
+    if label in PEERS:
+        return LlamaServerProcess(args, label, out)
+    method = "none" if label.startswith("none") else label
+    return ServerProcess(args, method, out, label.replace(" (again)", "-again"))
 
 
 def one_request(
@@ -162,11 +217,12 @@ def one_request(
                 text += piece
         if chunk.get("usage"):
             usage, spec = chunk["usage"], chunk.get("speculative")
+    usage = usage or {}  # a peer may send no usage: one streamed chunk is one token there
     return {
         "latency_s": time.perf_counter() - t0,
         "ttft_s": ttft,
-        "tokens": usage["completion_tokens"],
-        "prompt_tokens": usage["prompt_tokens"],
+        "tokens": usage.get("completion_tokens", len(arrivals)),
+        "prompt_tokens": usage.get("prompt_tokens"),
         "text": text,
         "arrivals": arrivals,
         "forwards": spec["target_forwards"] if spec else None,
@@ -239,13 +295,12 @@ def runs_of(args) -> list[tuple[str, int]]:
 
 
 def load_scenario(args, sets: dict[str, list[str]]) -> dict:
-    methods = ["none", *[m for m in args.methods if m != "none"], "none (again)"]
+    methods = ["none", *[m for m in args.methods if m != "none"], "none (again)", *args.peers]
     runs = runs_of(args)
     res: dict = {"methods": methods, "runs": [f"{s} c={c}" for s, c in runs], "results": {}}
     for label in methods:
-        method = "none" if label.startswith("none") else label
         print(f"[load] {label}: starting the server", file=sys.stderr, flush=True)
-        server = ServerProcess(args, method, args.out, label.replace(" (again)", "-again"))
+        server = start(args, label, args.out)
         out = res["results"][label] = {}
         try:
             load_run(server.port, sets["mix"], 2, 4, 16, len(sets["mix"]) - 8)  # warm-up
@@ -291,8 +346,24 @@ def load_scenario(args, sets: dict[str, list[str]]) -> dict:
 
 
 def load_targets(res: dict, pair: bool) -> list[dict]:
-    spec = [m for m in res["methods"] if not m.startswith("none")]
+    spec = [m for m in res["methods"] if not m.startswith("none") and m not in PEERS]
+    peers = [m for m in res["methods"] if m in PEERS]
     targets = []
+    for run in res["runs"] if peers and spec else ():
+        # issue: c = 1 >= 1.3x llama-server's best on code, >= 1.1x on chat; c >= 4: >= 1.0x
+        c = int(run.split("c=")[1])
+        goal = 1.0 if c > 1 else (1.3 if run.startswith("code") else 1.1 if run.startswith("chat") else 1.0)
+        ours = max((res["results"][m][run]["median_tokens_per_s"], m) for m in spec)
+        theirs = max((res["results"][m][run]["median_tokens_per_s"], m) for m in peers)
+        noise = res["results"][spec[0]][run]["noise"]
+        targets.append(
+            {
+                "target": f"{run}: our best >= {goal}x llama-server's best",
+                "measured": f"{ours[0] / theirs[0]:.2f}x ± {noise:.2f} ({ours[1]} {ours[0]:.2f} vs "
+                f"{theirs[1]} {theirs[0]:.2f} tok/s)",
+                "met": ours[0] / theirs[0] >= goal,
+            }
+        )
     if spec:
         worst = min(
             (r["speedup"] + r["noise"], r["speedup"], r["noise"], m, run)
@@ -654,8 +725,17 @@ def main() -> int:
     ap.add_argument(
         "--no-load-aware", action="store_true", help="draft k at any load (to show what the cap buys)"
     )
+    ap.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=("llama-server",),
+        help="also serve with llama.cpp's llama-server on the same GGUF files, plain and with -md "
+        "(load scenario; known models only)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serve")
     args = ap.parse_args()
+    args.peers = [p for p in PEERS if "llama-server" in args.peer and (p == "llama-server" or args.draft)]
     args.out.mkdir(parents=True, exist_ok=True)
     args.methods = [m for m in args.methods.split(",") if m]
     args.cs = [int(c) for c in args.concurrency.split(",")]
