@@ -21,7 +21,8 @@ Three scenarios (OUT/serve-bench.json, .md and .png):
 - `--peer llama-server`: llama.cpp's server (built with `benchmarks/peers.py --build-llama-cpp`,
   the same llama.cpp as the peers table) on the same GGUF files, with the same threads, started
   as CPU users serve with it: plain (`-m target.gguf`) and with the draft model
-  (`-md draft.gguf`, its default draft settings), one slot per client (`-np` = the highest
+  (`-md draft.gguf --spec-type draft-simple`: `-md` alone loads the draft but drafts nothing in
+  this llama.cpp; its other draft settings default), one slot per client (`-np` = the highest
   concurrency); measured in the load scenario beside our servers, on the same prompts; their
   ratios are read against our speculation-off server, with the same noise.
 - chunked: `--streams` greedy streams decoding, then one prompt of about `--long-tokens` tokens
@@ -141,7 +142,10 @@ class LlamaServerProcess:
         cmd += ["--port", str(self.port), "-t", threads, "-tb", threads, "-np", str(slots)]
         cmd += ["-c", str(4096 * slots), "--jinja", "--no-webui"]
         if PEERS[label]:
-            cmd += ["-md", str(ZOO[args.draft].gguf_path()), "-td", threads, "-tbd", threads]
+            # -md alone loads the draft but drafts nothing in this llama.cpp (--spec-type defaults to
+            # none): draft-simple is its draft-model speculation
+            cmd += ["-md", str(ZOO[args.draft].gguf_path()), "--spec-type", "draft-simple"]
+            cmd += ["-td", threads, "-tbd", threads]
         self.cmd = cmd
         self.log = open(out / f"server-{label.replace(' ', '')}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

@@ -764,3 +764,28 @@ def test_extend_feeds_ragged_rows_in_chunks_when_padding_would_pass_the_cache_en
         )
         assert torch.allclose(logits[b], want_logits[0], atol=1e-9)
         assert torch.allclose(hidden[b, : n1 - n0], want_hidden[0, : n1 - n0], atol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["suffix", "auto"])
+def test_load_costs_are_measured_for_drafters_that_draft_past_k(pair_dir, method, monkeypatch):
+    """A suffix match drafts up to suffix_max tokens a round, past k (the calibration prompt is
+    repetitive, so it matches at once), and a real target that continues the pattern accepts
+    them all: the scratch rows must not run out of tokens before the timed rounds (the pair's
+    `serve --method auto` failed at start with StopIteration). The tiny target is made to accept
+    every draft by raising each drafted token's logit."""
+    import specdecode.engine.generation as generation
+    from specdecode import SpeculativeGenerator, load
+
+    real = generation.verify_proposal
+
+    def accept_all(proposal, logits, *args):
+        logits = logits.clone()
+        k = proposal.tokens.shape[1]
+        logits[:, :k].scatter_(-1, proposal.tokens.unsqueeze(-1), 1e9)
+        return real(proposal, logits, *args)
+
+    monkeypatch.setattr(generation, "verify_proposal", accept_all)
+    draft = load(pair_dir[1]) if method == "auto" else None
+    gen = SpeculativeGenerator(load(pair_dir[0]), draft=draft, method=method, k=2)
+    table = gen.measure_load_costs([1, 2], rounds=3)
+    assert sorted(table.round_s) == [1, 2] and all(sorted(r) == [0, 1, 2] for r in table.round_s.values())

@@ -72,7 +72,10 @@ def measure_load_costs(
     todo = [(b, w) for b in batch_sizes for w in sorted({0, 1, spec.config.k})]
     table: dict[int, dict[int, float]] = {}
     for i, (b, w) in enumerate(todo):
-        params = [SamplingParams(temperature=0, max_new_tokens=(rounds + 2) * (w + 1), ignore_eos=True)] * b
+        # a round emits at most spec.width + 1 tokens (a suffix match may draft past w), so the
+        # scratch rows never run out of tokens before the timed rounds are done
+        budget = (rounds + 2) * (spec.width + 1)
+        params = [SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)] * b
         table.setdefault(b, {})[w] = round_seconds(scratch, [ids] * b, params, w, rounds)
         if progress is not None:
             progress(i + 1, len(todo))
