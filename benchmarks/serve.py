@@ -302,18 +302,30 @@ def load_scenario(args, sets: dict[str, list[str]]) -> dict:
     methods = ["none", *[m for m in args.methods if m != "none"], "none (again)", *args.peers]
     runs = runs_of(args)
     res: dict = {"methods": methods, "runs": [f"{s} c={c}" for s, c in runs], "results": {}}
+    # every (run, rep) its own prompts, never sent before in this server's life (the mix set holds
+    # the chat and code prompts: without this a suffix drafter copies its earlier greedy answer);
+    # the same prompts for every method
+    warm = sets["mix"][-8:]
+    used, chosen = set(warm), {}
+    for s, c in runs:
+        n = args.requests or max(c, 4)
+        for rep in range(args.reps):
+            fresh = [x for x in sets[s] if x not in used]
+            if len(fresh) < n:
+                raise SystemExit(f"not enough unused {s} prompts for {len(runs)} runs x {args.reps} reps")
+            chosen[s, c, rep] = fresh[:n]
+            used.update(fresh[:n])
     for label in methods:
         print(f"[load] {label}: starting the server", file=sys.stderr, flush=True)
         server = start(args, label, args.out)
         out = res["results"][label] = {}
         try:
-            load_run(server.port, sets["mix"], 2, 4, 16, len(sets["mix"]) - 8)  # warm-up
+            load_run(server.port, warm, 2, 4, 16, 0)  # warm-up
             for s, c in runs:
                 n = args.requests or max(c, 4)
                 reps = []
                 for rep in range(args.reps):
-                    # each rep its own prompts, the same ones for every method
-                    r = load_run(server.port, sets[s], c, n, args.max_tokens, offset=rep * n + c)
+                    r = load_run(server.port, chosen[s, c, rep], c, n, args.max_tokens, offset=0)
                     reps.append(r)
                     print(
                         f"[load] {label} {s} c={c} rep {rep + 1}: {r['tokens_per_s']:.2f} tokens/s, "
