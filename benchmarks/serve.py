@@ -255,9 +255,15 @@ def load_run(port: int, prompts: list[str], concurrency: int, n: int, max_tokens
                 if not todo:
                     break
                 i = todo.pop(0)
+            msg = [{"role": "user", "content": prompts[(offset + i) % len(prompts)]}]
             try:
-                msg = [{"role": "user", "content": prompts[(offset + i) % len(prompts)]}]
-                results[i] = one_request(conn, msg, max_tokens)
+                try:
+                    results[i] = one_request(conn, msg, max_tokens)
+                except (http.client.RemoteDisconnected, ConnectionError):
+                    # a server that closes a kept-alive connection after a stream (llama-server):
+                    # the client's artefact, not the server's error; once more on a new connection
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+                    results[i] = one_request(conn, msg, max_tokens)
             except Exception as e:  # noqa: BLE001 — counted and reported
                 errors.append(str(e))
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
