@@ -46,17 +46,18 @@ test-real: models
 	$(BIN)/pytest -q -m real
 
 # two pytest workers (one torch thread each: tests/conftest.py), each taking the next test when
-# it is free (the exactness suite alone is 9 minutes of one worker)
+# it is free (the exactness suite alone is 9 minutes of one worker); a test that runs past 10
+# minutes fails (pytest-timeout) instead of hanging CI (a chat test once did, for 80 minutes)
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 --timeout 600
 
 # the suite without its heavy tests (the statistical runs of tens of thousands of samples and the
 # checks of many seconds, marked `heavy`): 517 of the 659 tests in about 90 s on a 2-core AMD EPYC, for the edit-test loop; make test and
 # CI run everything
 test-quick: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n 2 --dist worksteal -m 'not real and not slow and not heavy' --durations=10
+	$(BIN)/pytest -q -n 2 --dist worksteal -m 'not real and not slow and not heavy' --durations=10 --timeout 600
 
 # SmolLM2-135M's checks of a minute or more (bf16 ngram identity on 6 chats, the two-token
 # distribution and its negative control, the chat demo, auto): make test runs the others

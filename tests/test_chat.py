@@ -26,8 +26,10 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chat_pair(pair_dir, tmp_path_factory):
-    """The tiny pair with a chat template; its end-of-text id removed from the target's config,
-    so an answer runs to its token budget (the Ctrl-C test needs a long one)."""
+    """The tiny pair with a chat template and no end-of-text (config.json,
+    generation_config.json and the tokenizer's eos_token each end an answer), so an answer runs
+    to its token budget: the Ctrl-C test needs one still running when the key arrives (with an
+    end-of-text the answer ended in ~40 ms and the test passed only by winning that race)."""
     root = tmp_path_factory.mktemp("chat")
     out = []
     for src, name in zip(pair_dir, ("target", "draft")):
@@ -35,9 +37,12 @@ def chat_pair(pair_dir, tmp_path_factory):
         shutil.copytree(src, dst)
         tc = dst / "tokenizer_config.json"
         cfg = json.loads(tc.read_text()) if tc.exists() else {}
-        tc.write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
+        tc.write_text(json.dumps(cfg | {"chat_template": TEMPLATE, "eos_token": None}))
         config = json.loads((dst / "config.json").read_text())
         (dst / "config.json").write_text(json.dumps(config | {"eos_token_id": None}))
+        gc = dst / "generation_config.json"
+        if gc.exists():
+            gc.write_text(json.dumps(json.loads(gc.read_text()) | {"eos_token_id": None}))
         out.append(dst)
     return out
 
@@ -97,10 +102,14 @@ class Terminal:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
-            try:
-                os.read(self.fd, 65536)  # keep the terminal drained
-            except OSError:
-                time.sleep(0.05)
+            # keep the terminal drained, never blocking: a child waiting at its prompt prints
+            # nothing, and a blocking read here hung CI for 80 minutes after a failed expect
+            ready, _, _ = select.select([self.fd], [], [], 0.05)
+            if ready:
+                try:
+                    os.read(self.fd, 65536)
+                except OSError:
+                    time.sleep(0.05)
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         return -9
