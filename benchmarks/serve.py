@@ -5,7 +5,7 @@
         --methods none,draft,suffix,auto --out benchmarks/serve/qwen-pair
     .venv/bin/python benchmarks/serve.py --scenarios multiturn,chunked     # one part only
 
-Three scenarios (OUT/serve-bench.json, .md and .png):
+Four scenarios (OUT/serve-bench.json, .md and .png):
 
 - load: for each method a `specdecode serve` subprocess (its load-aware round costs measured
   once and kept in OUT/costs-<method>.json); then for each run (concurrency c and prompt set:
@@ -25,6 +25,8 @@ Three scenarios (OUT/serve-bench.json, .md and .png):
   this llama.cpp; its other draft settings default), one slot per client (`-np` = the highest
   concurrency); measured in the load scenario beside our servers, on the same prompts; their
   ratios are read against our speculation-off server, with the same noise.
+- ttft: the time to first token of prompts of about `--ttft-tokens` tokens, each new to the
+  server, for our server (`--multiturn-method`) and the peers.
 - chunked: `--streams` greedy streams decoding, then one prompt of about `--long-tokens` tokens
   is admitted; the running streams' inter-token latency (gaps between streamed chunks) while the
   long prompt is prefilled, against the same streams without it, with chunked prefill auto, at a
@@ -546,14 +548,47 @@ def itl_run(
     }
 
 
-def long_text(tokens: int) -> str:
-    """About `tokens` tokens of code (HumanEval prompts, concatenated)."""
+def long_text(tokens: int, start: int = 0) -> str:
+    """About `tokens` tokens of code (HumanEval prompts from the `start`-th on, concatenated)."""
     text = ""
-    for p in read_prompts("humaneval"):
+    for p in read_prompts("humaneval")[start:]:
         text += p["text"] + "\n"
         if len(text) > 3.2 * tokens:
             break
     return "Explain what each of these functions does:\n\n" + text[: int(3.2 * tokens)]
+
+
+# -- time to first token on a long prompt ------------------------------------------------------------
+
+
+def ttft_scenario(args) -> dict:
+    """Each server (ours with the default method, and the peers) answers `--ttft-reps` prompts of
+    about `--ttft-tokens` tokens, one at a time, each starting with text no server has seen (so
+    no prefix cache helps): the time to the first streamed token."""
+    res: dict = {"prompt_tokens": args.ttft_tokens, "servers": {}}
+    prompts = [long_text(args.ttft_tokens, 8 * i + 3) for i in range(args.ttft_reps + 1)]
+    for label in [args.multiturn_method, *args.peers]:
+        print(f"[ttft] {label}: starting the server", file=sys.stderr, flush=True)
+        server = start(args, label, args.out) if label in PEERS else ServerProcess(
+            args, label, args.out, f"ttft-{label}", ("--no-prefix-cache",)
+        )
+        try:
+            runs = []
+            for i, text in enumerate(prompts):
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+                r = one_request(conn, [{"role": "user", "content": text}], 2)
+                conn.close()
+                if i:  # the first is a warm-up
+                    runs.append(r)
+        finally:
+            server.stop()
+        res["servers"][label] = {
+            "ttft_s": [r["ttft_s"] for r in runs],
+            "median_ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "prompt_tokens": statistics.median(r["prompt_tokens"] or 0 for r in runs),
+        }
+        print(f"[ttft] {label}: {res['servers'][label]['median_ttft_s']:.2f} s", file=sys.stderr, flush=True)
+    return res
 
 
 def chunked_scenario(args, sets: dict[str, list[str]]) -> dict:
@@ -687,6 +722,21 @@ def markdown(res: dict) -> str:
                 f"{b['itl_p99_s']:.3f} | {r['p99_ratio']:.2f} | "
                 f"{b['long_prompt_tokens']}, {b['long_ttft_s']:.2f} |"
             )
+    if "ttft" in res:
+        tt = res["ttft"]
+        lines += [
+            "",
+            "## Time to first token on a long prompt",
+            "",
+            f"Prompts of about {tt['prompt_tokens']} tokens (HumanEval code to explain), each new to the "
+            "server, one at a time; median of the reps after a warm-up.",
+            "",
+            "| server | prompt tokens | TTFT s (each) | median s |",
+            "|---|---|---|---|",
+        ]
+        for label, r in tt["servers"].items():
+            each = " / ".join(f"{x:.2f}" for x in r["ttft_s"])
+            lines.append(f"| {label} | {r['prompt_tokens']:.0f} | {each} | {r['median_ttft_s']:.2f} |")
     lines += ["", "## Targets", ""]
     for t in res["targets"]:
         lines.append(f"- {t['target']}: {t['measured']} — **{'met' if t['met'] else 'missed'}**")
@@ -724,7 +774,7 @@ def main() -> int:
     ap.add_argument("--dtype", help="the target's weights (default: the server's for this target)")
     ap.add_argument("--draft-dtype", help="the draft's weights (default: the server's)")
     ap.add_argument("--methods", default="none,ngram,suffix,eagle3,auto", help="comma-separated; none = off")
-    ap.add_argument("--scenarios", default="load,multiturn,chunked")
+    ap.add_argument("--scenarios", default="load,multiturn,ttft,chunked")
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--c1-sets", default="chat,code", help="prompt sets measured separately at c = 1")
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default max(c, 4))")
@@ -740,6 +790,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--long-tokens", type=int, default=2000)
+    ap.add_argument("--ttft-tokens", type=int, default=500, help="ttft: the long prompts' length")
+    ap.add_argument("--ttft-reps", type=int, default=3, help="ttft: prompts per server")
     ap.add_argument(
         "--settle", type=float, default=3.0, help="chunked: seconds before the long prompt is sent"
     )
@@ -797,6 +849,18 @@ def main() -> int:
                 "met": same,
             }
         )
+    if "ttft" in scenarios:
+        res["ttft"] = tt = ttft_scenario(args)
+        ours = tt["servers"][args.multiturn_method]["median_ttft_s"]
+        for peer in args.peers:
+            theirs = tt["servers"][peer]["median_ttft_s"]
+            targets.append(
+                {
+                    "target": f"time to first token on a {args.ttft_tokens}-token prompt <= {peer}'s",
+                    "measured": f"{ours:.2f} s vs {theirs:.2f} s ({ours / theirs:.2f}x)",
+                    "met": ours <= theirs,
+                }
+            )
     if "chunked" in scenarios:
         res["chunked"] = ch = chunked_scenario(args, sets)
         r = ch["settings"]["auto"]

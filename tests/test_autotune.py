@@ -65,6 +65,57 @@ def test_auto_ranks_targets_by_the_round_when_drafting_and_by_the_step_alone():
         _pick(only_broken, speculative=True)
 
 
+def test_a_draft_whose_step_format_is_slow_on_prompts_gets_a_prefill_copy_only_when_it_pays():
+    def draft_of(int4_tp: float) -> Choice:
+        c = _choice()
+        c.draft_costs = [
+            FormatCosts("int4", t1=0.015, tp=int4_tp),  # the cheapest step
+            FormatCosts("w8a8", t1=0.016, tp=0.0015),  # the cheapest prompt token
+            FormatCosts("bf16", t1=0.034, tp=0.0018),
+        ]
+        return _pick(c, speculative=True)
+
+    slow = draft_of(0.0043)  # int4 prompts 2.9x slower: its prompts on w8a8
+    assert (slow.draft, slow.draft_prefill) == ("int4", "w8a8")
+    assert "with its prompts on a w8a8 copy (2.9x faster)" in slow.line()
+    assert draft_of(0.0020).draft_prefill is None  # 1.3x: not worth a second copy
+    assert _pick(_choice(), speculative=True).draft_prefill is None  # nothing timed on prompts
+    old = Choice.from_dict({k: v for k, v in slow.to_dict().items() if k != "draft_prefill"})
+    assert old.draft_prefill is None  # a cached choice from before the prompt timing reads
+
+
+def test_open_loads_the_drafts_prefill_copy_the_choice_asks_for_and_the_draft_prefills_on_it(
+    pair_dir, cache, monkeypatch
+):
+    from specdecode import autotune, opener
+
+    real = autotune._pick
+
+    def forced(choice, speculative):
+        choice = real(choice, speculative)
+        choice.draft, choice.draft_prefill = "int4", "w8a8"
+        return choice
+
+    monkeypatch.setattr(autotune, "_pick", forced)
+    target_dir, draft_dir = pair_dir
+    loaded = opener.open_models(str(target_dir), draft=str(draft_dir), k=3, dtype="auto", log=lambda _: None)
+    twin = loaded.draft.prefill_model
+    assert loaded.draft.quant == "int4" and twin.quant == "w8a8"
+    fed = []
+    real_forward = type(twin).forward
+    def forward(self, *a, **kw):
+        fed.append(self is twin)
+        return real_forward(self, *a, **kw)
+
+    monkeypatch.setattr(type(twin), "forward", forward)
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    spec = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
+    got = [r.token_ids for r in spec.generate(PROMPTS, params)]
+    assert any(fed) and not all(fed)  # the prompts on the copy, the drafts (and the target) not
+    solo = SpeculativeGenerator(loaded.target, batch_invariant=True)
+    assert got == [r.token_ids for r in solo.generate(PROMPTS, params)]
+
+
 def test_auto_choice_is_measured_once_per_machine_then_read_from_the_cache(cache):
     fmts = ("fp32", "int8", "w8a8")
     first = choose(TINY, TINY, k=2, invariant=True, speculative=True, name="t", target_formats=fmts)

@@ -45,7 +45,8 @@ def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGen
     """The generator of one table row: the draft model for draft (and auto with with_draft=True), the
     trained drafter for eagle, eagle3 and auto (EAGLE-3; none with suffix_only), random heads for
     medusa; `sampling` is the tree sampling."""
-    kw = {k: v for k, v in opts.items() if k not in ("with_draft", "sampling", "suffix_only")}
+    mine = ("with_draft", "sampling", "suffix_only", "prefill_dtype")
+    kw = {k: v for k, v in opts.items() if k not in mine}
     kw["tree_sampling"] = opts.get("sampling")
     if kw.get("policy") == "optimal":
         kw["cost_model"] = CHEAP
@@ -60,6 +61,9 @@ def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGen
         kw["heads"] = heads["eagle3" if method == "auto" else method]
     if use_draft and "draft_dtype" in opts:  # a quantized draft is quantized in place: a copy
         draft = load(draft.path, dtype=draft.dtype)
+    if use_draft and "prefill_dtype" in opts:  # the draft's prompts on a copy in another format
+        draft = load(draft.path, dtype=draft.dtype)
+        draft.prefill_model = load(draft.path, dtype=draft.dtype).quantize(opts["prefill_dtype"])
     return SpeculativeGenerator(target, draft=draft if use_draft else None, method=method, **kw)
 
 
@@ -83,6 +87,9 @@ GREEDY_CASES = [
     ("eagle3", {"tree": "2,2", "draft_dtype": "int8"}),
     ("eagle3", {"k": 3, "draft_dtype": "w8a8"}),
     ("auto", {"k": 3, "with_draft": True, "draft_dtype": "int4"}),
+    # the draft's prompts on a copy in another format (autotune's prefill copy)
+    ("draft", {"k": 3, "draft_dtype": "int4", "prefill_dtype": "w8a8"}),
+    ("auto", {"k": 3, "with_draft": True, "draft_dtype": "int4", "prefill_dtype": "w8a8"}),
     # a draft head over 40 of the 64 tokens (FR-Spec): q is 0 elsewhere
     ("draft", {"k": 3, "draft_vocab": 40}),
     ("draft", {"tree": "3,2", "draft_vocab": 40, "draft_dtype": "int4"}),
@@ -139,6 +146,7 @@ JOINT_CASES = [
     ("eagle3", {"tree": "2,2", "sampling": "with-replacement"}, PROMPT),
     ("suffix", {"k": 3}, [1, 2, 3, 4, 1, 2, 3]),
     ("draft", {"k": 2, "draft_dtype": "int4"}, PROMPT),
+    ("draft", {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"}, [5, 9, 2, 7, 1, 3, 5, 9]),
     ("eagle3", {"tree": "2,2", "draft_dtype": "int4"}, PROMPT),
     ("draft", {"k": 2, "draft_vocab": 10}, PROMPT),
 ]
@@ -146,7 +154,9 @@ JOINT_CASES = [
 NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [
     c
     for c in JOINT_CASES
-    if c[0] == "suffix" or (c[0] == "eagle3" and c[1] == {"k": 2}) or c[1] == {"k": 2, "draft_dtype": "int4"}
+    if c[0] == "suffix"
+    or (c[0] == "eagle3" and c[1] == {"k": 2})
+    or c[1] in ({"k": 2, "draft_dtype": "int4"}, {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"})
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -203,3 +203,43 @@ def test_invariant_forward_is_the_same_when_a_verification_crosses_a_key_chunk(t
         cache.rewind(cache.lengths - (5 - kept))
         at += kept
     assert at > 2 * KEY_CHUNK
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_long_prefill_attended_in_query_blocks_gives_every_token_its_one_token_decode(tmp_path, dtype):
+    """A prompt longer than QUERY_BLOCK is attended block by block, each block over only the key
+    chunks it sees: every prompt token's logits and cached keys and values equal those of the
+    same prompt decoded one token at a time, and of the prompt prefilled in uneven chunks."""
+    from specdecode.models import invariant
+    from specdecode.models.init import init_model
+
+    path = init_model(
+        tmp_path / "m", vocab=64, layers=2, dim=384, heads=6, kv_heads=2, intermediate=256, seed=4,
+        init_std=0.2,
+    )
+    model = load(str(path), dtype=DTYPES[dtype])
+    seq = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(1))
+    made = []
+    real = invariant.InvariantAttention.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        made.append(self)
+
+    whole_cache, chunk_cache, one_cache = (model.new_cache(1, 320, invariant=True) for _ in range(3))
+    invariant.InvariantAttention.__init__ = spy
+    try:
+        whole = model.forward(seq, whole_cache)[0][0]
+    finally:
+        invariant.InvariantAttention.__init__ = real
+    assert made and made[0].blocks is not None and len(made[0].blocks) == 5  # the blocked path ran
+    assert [n for _, _, n in made[0].blocks] == [1, 2, 3, 4, 5]  # the causal triangle, in chunks
+    one = torch.stack([model.forward(seq[:, i : i + 1], one_cache)[0][0, 0] for i in range(300)])
+    at, chunks = 0, []
+    for width in (70, 130, 1, 99):
+        chunks.append(model.forward(seq[:, at : at + width], chunk_cache)[0][0])
+        at += width
+    assert torch.equal(whole, one)
+    assert torch.equal(torch.cat(chunks), one)
+    for a, b in zip(_slots(whole_cache), _slots(one_cache)):
+        assert torch.equal(a[..., :300, :], b[..., :300, :])

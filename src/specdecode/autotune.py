@@ -10,6 +10,15 @@ where a decoder's time goes (they read every weight); attention, norms and sampl
 in every format and are left out, so the figures rank formats rather than predict a forward.
 Enough copies of a layer are timed that they do not fit in the CPU's caches.
 
+Prompts are another matter: a prefill feeds PREFILL_ROWS rows at once, where the formats rank
+differently (AMD EPYC, avx512_bf16: the 0.5B draft's int4 step is the cheapest, 17.6 ms against
+w8a8's 28.6, but its prompt tokens/s are 193 against w8a8's 455), so each format's seconds per
+prompt token (`tp`) are timed too. A draft model whose step format is much slower on prompts
+than the fastest format (PREFILL_GAIN) gets a second copy in that format for its prefills only
+(`Choice.draft_prefill`): a draft's precision never changes the output, so its prompt may run on
+other weights than its steps; the target's never does (a prompt's keys and values must be the
+bits its own steps would write: the prefix cache and chunked prefill rely on it).
+
 The choice (target: the cheapest verification round, k draft steps of the cheapest draft format
 included; target-only: the cheapest step) is cached as JSON under $SPECDECODE_CACHE/calibration,
 keyed by the model's shapes, the CPU, torch's version and thread count, k and invariance;
@@ -37,7 +46,9 @@ DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4")
 CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
 HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
 ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
-VERSION = 1  # bump when the measurement changes: cached choices of another version are redone
+VERSION = 2  # bump when the measurement changes: cached choices of another version are redone
+PREFILL_ROWS = 64  # the rows of a prefill chunk whose projections `tp` times
+PREFILL_GAIN = 1.5  # a draft gets a prefill copy when the fastest prompt format is this much faster
 
 
 @dataclass(frozen=True)
@@ -79,12 +90,14 @@ class Shapes:
 
 @dataclass
 class FormatCosts:
-    """Seconds of a forward's projections in one format: t1 for one new token, tk for k + 1."""
+    """Seconds of a forward's projections in one format: t1 for one new token, tk for k + 1, tp
+    per prompt token of a PREFILL_ROWS-token prefill (the layers only: a prompt needs no logits)."""
 
     format: str
     t1: float | None = None
     tk: float | None = None
     error: str | None = None
+    tp: float | None = None
 
 
 @dataclass
@@ -100,6 +113,7 @@ class Choice:
     draft_costs: list[FormatCosts] = field(default_factory=list)
     cache: str | None = None
     seconds: float = 0.0
+    draft_prefill: str | None = None  # the draft's prompts in this format (a second copy), or None
 
     def cost(self, costs: list[FormatCosts], fmt: str | None) -> FormatCosts | None:
         return next((c for c in costs if c.format == fmt and c.error is None), None)
@@ -128,6 +142,10 @@ class Choice:
             what += f", draft {self.draft}"
             if "draft_t1_ms" in p:
                 what += f" ({p['draft_t1_ms']:.1f} ms a step, c {p['draft_cost_ratio']:.2f})"
+            if self.draft_prefill is not None:
+                step = self.cost(self.draft_costs, self.draft)
+                fast = self.cost(self.draft_costs, self.draft_prefill)
+                what += f" with its prompts on a {self.draft_prefill} copy ({step.tp / fast.tp:.1f}x faster)"
         inv = "batch-invariant forward" if self.invariant else "plain forward (not batch-invariant)"
         how = {
             "measured": f"measured here in {self.seconds:.0f} s",
@@ -142,6 +160,7 @@ class Choice:
         return {
             "target": self.target,
             "draft": self.draft,
+            "draft_prefill": self.draft_prefill,
             "batch_invariant": self.invariant,
             "how": self.how,
             **self.predicted(),
@@ -242,6 +261,7 @@ def measure(
                 out.t1 = t
             else:
                 out.tk = t
+        out.tp = _time_rows(layers, PREFILL_ROWS, dtype, invariant, 2) * scale_layers / PREFILL_ROWS
         return out
     except (RuntimeError, NotImplementedError, SpecDecodeError) as e:
         return FormatCosts(fmt, error=str(e).splitlines()[0][:160])
@@ -344,6 +364,12 @@ def _pick(choice: Choice, speculative: bool) -> Choice:
         best_t = min(ok_t, key=lambda c: c.t1)
     choice.target = best_t.format
     choice.draft = best_d.format if best_d else None
+    choice.draft_prefill = None
+    timed = [c for c in ok_d if c.tp is not None]
+    if best_d is not None and best_d.tp is not None and timed:
+        fast = min(timed, key=lambda c: c.tp)
+        if fast.format != best_d.format and best_d.tp > PREFILL_GAIN * fast.tp:
+            choice.draft_prefill = fast.format
     return choice
 
 
@@ -357,20 +383,27 @@ def table(choice: Choice) -> list[str]:
     """The measured table as text lines (models --calibrate, docs)."""
     k = choice.k
     lines = [
-        f"{'format':<10} {'T(1) ms':>9} {f'T({k + 1}) ms':>9} {f'T({k + 1})/T(1)':>11}  (target: projections)"
+        f"{'format':<10} {'T(1) ms':>9} {f'T({k + 1}) ms':>9} {f'T({k + 1})/T(1)':>11} {'prompt tok/s':>12}"
+        "  (target: projections)"
     ]
     for c in choice.target_costs:
         mark = " <- chosen" if c.format == choice.target else ""
         if c.error:
-            lines.append(f"{c.format:<10} {'-':>9} {'-':>9} {'-':>11}  {c.error}")
+            lines.append(f"{c.format:<10} {'-':>9} {'-':>9} {'-':>11} {'-':>12}  {c.error}")
         else:
-            lines.append(f"{c.format:<10} {c.t1 * 1e3:>9.1f} {c.tk * 1e3:>9.1f} {c.tk / c.t1:>11.2f}{mark}")
+            ms = f"{c.t1 * 1e3:>9.1f} {c.tk * 1e3:>9.1f} {c.tk / c.t1:>11.2f}"
+            lines.append(f"{c.format:<10} {ms} {_rate(c):>12}{mark}")
     if choice.draft_costs:
-        lines.append(f"{'format':<10} {'T(1) ms':>9}  (draft: projections)")
+        lines.append(f"{'format':<10} {'T(1) ms':>9} {'prompt tok/s':>12}  (draft: projections)")
         for c in choice.draft_costs:
             mark = " <- chosen" if c.format == choice.draft else ""
-            lines.append(
-                f"{c.format:<10} {'-' if c.error else f'{c.t1 * 1e3:.1f}':>9}{mark}"
-                + (f"  {c.error}" if c.error else "")
-            )
+            if c.format == choice.draft_prefill:
+                mark += " <- its prompts"
+            t1, rate = ("-", "-") if c.error else (f"{c.t1 * 1e3:.1f}", _rate(c))
+            lines.append(f"{c.format:<10} {t1:>9} {rate:>12}{mark}" + (f"  {c.error}" if c.error else ""))
     return lines
+
+
+def _rate(c: FormatCosts) -> str:
+    """Prompt tokens a second through the projections (a ranking, not a prefill's speed)."""
+    return f"{1 / c.tp:.0f}" if c.tp else "-"

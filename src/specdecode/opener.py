@@ -257,6 +257,11 @@ def open_models(
     if has_draft_model:
         d_dtype, d_quant = weight_format(choice.draft)
         draft_model = load(draft, backend=backend, dtype=d_dtype, device=dev, quant=d_quant)
+        if choice.draft_prefill is not None and draft_model.lean:
+            # the draft's prompts on a second copy in the format that runs prompts fastest
+            # (autotune.py): drafts only, so the output is the same whatever their weights
+            p_dtype, p_quant = weight_format(choice.draft_prefill)
+            draft_model.prefill_model = load(draft, backend=backend, dtype=p_dtype, device=dev, quant=p_quant)
     if backend == "openvino":
         # OpenVINO's plugin has the cores now; torch's OpenMP workers spin for milliseconds after
         # each op of the round (sampling, verification) and took ~30% of its step (docs/openvino.md)

@@ -208,6 +208,9 @@ def memory_line(gen, args: argparse.Namespace) -> str:
     model = getattr(gen.drafter, "model", None) or getattr(getattr(gen.drafter, "inner", None), "model", None)
     if model is not None and getattr(model, "weight_bytes", None) is not None:
         parts.append(f"draft weights {gb(model.weight_bytes())}")
+        twin = getattr(model, "prefill_model", None)
+        if twin is not None:
+            parts.append(f"its prefill copy {gb(twin.weight_bytes())}")
     if gen.prefix_cache is not None:
         parts.append(f"prefix cache up to {gb(gen.prefix_cache.budget)}")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

@@ -41,6 +41,9 @@ class DraftModelDrafter(Drafter):
                 f"the draft is on {draft.device} and the target on {target.device}; load both on one device"
             )
         self.model = draft
+        # a copy of the draft in a format that runs prompts faster (opener.py, autotune.py), or
+        # None: it writes the same cache (a draft's weights change its drafts, never the output)
+        self.prefill_model = getattr(draft, "prefill_model", None)
         if draft_vocab not in (None, "full"):  # "full": the whole vocabulary
             from ..models.draft_vocab import ReducedHeadModel, frequent_ids
 
@@ -76,10 +79,11 @@ class DraftModelDrafter(Drafter):
         return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
 
     def prefill(self, state: DraftModelState, ctx: DraftContext, lengths: torch.Tensor) -> None:
-        """Feed the draft model the tokens the target has prefilled (with the target's chunks)."""
+        """Feed the draft model the tokens the target has prefilled (with the target's chunks),
+        through its prefill copy when it has one."""
         lengths = torch.maximum(lengths, state.cache.lengths)
         if bool((lengths > state.cache.lengths).any()):
-            extend(self.model, state.cache, ctx.tokens, lengths, need_logits=False)
+            extend(self.prefill_model or self.model, state.cache, ctx.tokens, lengths, need_logits=False)
 
     def save_prefix(self, state: DraftModelState, row: int, start: int):
         cache = state.cache

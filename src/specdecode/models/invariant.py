@@ -24,7 +24,10 @@ This attention fixes every reduction's order per query:
   the chunks past its end.
 
 So the reduction over keys is fixed by the keys' absolute positions, never by how many queries
-or keys the call has.
+or keys the call has. A long prefill uses that: its queries go in blocks of QUERY_BLOCK tokens,
+each over the key chunks its last token sees, not over all of them (the causal triangle instead
+of the square; keys past a query's end add exact zeros, so every query gets the bits it gets
+alone, checked in tests/test_invariance.py).
 
 Token trees: a node's ancestors sit at other cache slots than the same tokens in a chain
 (slot L + node index instead of L + depth). Given `order` (for each node, the slot of each
@@ -44,6 +47,11 @@ from .cache import KEY_CHUNK, chunked
 # GEMM row counts are padded to a multiple of this (MKL picks another kernel for 1-3 rows; on an
 # AMX Xeon a 4-row score GEMM also differed from an 8- or 16-row one in the last bits)
 ROW_MULTIPLE = 8
+
+
+# a prefill's queries are attended in blocks of this many tokens (rows: QUERY_BLOCK * group, a
+# multiple of ROW_MULTIPLE for any group), each block over the key chunks it sees
+QUERY_BLOCK = 64
 
 
 def padded_rows(n: int) -> int:
@@ -89,6 +97,16 @@ class InvariantAttention:
         self.q = torch.zeros(B, kv_heads, self.M0, head_dim, dtype=torch.float32, device=dev)
         self.scale = head_dim**-0.5
         self.order = None
+        # (first row, end row, key chunks) per block of a long prefill; None: one block of all
+        self.blocks = None
+        if order is None and T > QUERY_BLOCK:
+            need = (rows[:, : self.M] * torch.arange(1, self.N + 1, device=dev)).amax(-1).amax(0)  # [M]
+            step = QUERY_BLOCK * group
+            ends = [min(r + step, self.M) for r in range(0, self.M, step)]
+            chunks = [chunked(int(need[e - 1])) // KEY_CHUNK for e in ends]
+            starts = [0, *ends[:-1]]
+            ends[-1] = self.M0  # the padding rows go with the last block
+            self.blocks = [(a, b, max(n, 1)) for a, b, n in zip(starts, ends, chunks)]
         if order is not None:
             N, C = self.N, KEY_CHUNK
             order = F.pad(order, (0, N - order.shape[2]), value=0)
@@ -108,35 +126,43 @@ class InvariantAttention:
         """q [B, T, H, D] (model dtype); the cache's float32 keys [B, kv_heads, capacity, D] and
         chunk-major values [chunks, B, kv_heads, KEY_CHUNK, D] (capacity >= N) -> attention
         output [B * T, H * D] in the model dtype."""
-        B, T, Hkv, G, D, M, M0, N = self.B, self.T, self.Hkv, self.G, self.D, self.M, self.M0, self.N
-        BH, nc = B * Hkv, N // KEY_CHUNK
+        B, T, Hkv, G, D, M, M0 = self.B, self.T, self.Hkv, self.G, self.D, self.M, self.M0
         self.q[:, :, :M].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4))
+        if self.blocks is None:
+            out = self._attend(0, M0, self.N // KEY_CHUNK, keys, values)
+        else:
+            out = torch.cat([self._attend(a, b, n, keys, values) for a, b, n in self.blocks], dim=1)
+        attn = torch.empty(B, T, Hkv, G, D, dtype=self.dtype, device=q.device)
+        attn.copy_(out.view(B, Hkv, M0, D)[:, :, :M].view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4))
+        return attn.view(B * T, Hkv * G * D)
+
+    def _attend(self, r0: int, r1: int, nc: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The attention output of query rows r0:r1 over the first nc key chunks: [BH, r1 - r0, D]."""
+        B, Hkv, D, M0 = self.B, self.Hkv, self.D, self.M0
+        BH, N, R = B * Hkv, nc * KEY_CHUNK, r1 - r0
         # scores: one GEMM per chunk of KEY_CHUNK keys, all of one shape ([M0, D] x [D, 64]):
         # a GEMM over all N keys at once took another kernel for 64 than for 128 keys on an AMX
         # Xeon's MKL, and a token's scores moved in the last bits with the key count
         k = keys.narrow(2, 0, N).reshape(BH * nc, KEY_CHUNK, D)
-        q = self.q.view(BH, 1, M0, D).expand(BH, nc, M0, D).reshape(BH * nc, M0, D)
-        scores = torch.bmm(q, k.transpose(1, 2)).view(BH, nc, M0, KEY_CHUNK).transpose(1, 2)
-        scores = scores.reshape(BH, M0, N).mul_(self.scale).add_(self.mask)
+        q = self.q.view(BH, 1, M0, D)[:, :, r0:r1].expand(BH, nc, R, D).reshape(BH * nc, R, D)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(BH, nc, R, KEY_CHUNK).transpose(1, 2)
+        scores = scores.reshape(BH, R, N).mul_(self.scale).add_(self.mask[:, r0:r1, :N])
         if self.order is not None:  # a tree: the scores in each node's logical key order
             scores = scores.gather(2, self.order).masked_fill_(self.blocked, float("-inf"))
-        p = torch.softmax(scores, dim=-1)  # [BH, M0, N]
+        p = torch.softmax(scores, dim=-1)  # [BH, R, N]
         shared = nc if self.order is None else self.shared
         per_chunk = []
         if shared:
             # contiguous for a batch (no copy); a one-row view of a batch cache (a row prefilled
             # on its own) is copied, which changes no value
             v = values[:shared].reshape(shared * BH, KEY_CHUNK, D)
-            ps = p.view(BH, M0, nc, KEY_CHUNK)[:, :, :shared]
-            ps = ps.permute(2, 0, 1, 3).reshape(shared * BH, M0, KEY_CHUNK)
-            per_chunk.append(torch.bmm(ps, v).view(shared, BH, M0, D))
-        if shared < nc:
+            ps = p.view(BH, R, nc, KEY_CHUNK)[:, :, :shared]
+            ps = ps.permute(2, 0, 1, 3).reshape(shared * BH, R, KEY_CHUNK)
+            per_chunk.append(torch.bmm(ps, v).view(shared, BH, R, D))
+        if shared < nc:  # a tree (one block of every row)
             per_chunk.append(self._per_node_chunks(p, values, nc - shared))
         per_chunk = per_chunk[0] if len(per_chunk) == 1 else torch.cat(per_chunk)
-        out = per_chunk.cumsum(dim=0)[-1]  # chunks summed in position order
-        attn = torch.empty(B, T, Hkv, G, D, dtype=self.dtype, device=q.device)
-        attn.copy_(out.view(B, Hkv, M0, D)[:, :, :M].view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4))
-        return attn.view(B * T, Hkv * G * D)
+        return per_chunk.cumsum(dim=0)[-1]  # chunks summed in position order
 
     def _per_node_chunks(self, p: torch.Tensor, values: torch.Tensor, nb: int) -> torch.Tensor:
         """Weights x values for a tree's last nb chunks, per node with its own values in logical
