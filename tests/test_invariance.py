@@ -243,3 +243,20 @@ def test_a_long_prefill_attended_in_query_blocks_gives_every_token_its_one_token
     assert torch.equal(torch.cat(chunks), one)
     for a, b in zip(_slots(whole_cache), _slots(one_cache)):
         assert torch.equal(a[..., :300, :], b[..., :300, :])
+
+
+def test_the_in_order_chunk_sum_is_the_same_bits_through_cumsum_and_through_the_loop():
+    """A prefill block sums its key chunks with the in-place double loop, a decode step with
+    cumsum: the two must agree bit for bit (or every sum takes the loop), else a prompt's keys and
+    values would differ from its decode's. A float32 loop does not agree (the negative control)."""
+    from specdecode.models.invariant import _double_loop, cumsum_matches_loop, sum_in_order
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(31, 2, 64, 128, generator=g) * torch.rand(31, 1, 1, 1, generator=g).mul(50)
+    assert torch.equal(sum_in_order(x), _double_loop(x))
+    if cumsum_matches_loop():
+        assert torch.equal(x.cumsum(dim=0)[-1], _double_loop(x))
+    single = x[0].clone()
+    for chunk in x[1:]:
+        single.add_(chunk)
+    assert not torch.equal(single, _double_loop(x))
