@@ -65,6 +65,18 @@ def test_auto_ranks_targets_by_the_round_when_drafting_and_by_the_step_alone():
         _pick(only_broken, speculative=True)
 
 
+def test_target_only_counts_a_prompt_token_per_generated_token_so_a_format_slow_on_prompts_loses():
+    c = _choice()
+    c.target_costs = [
+        FormatCosts("int4", t1=0.044, tk=0.150, tp=1 / 64),
+        FormatCosts("w8a8", t1=0.048, tk=0.050, tp=1 / 225),
+    ]
+    assert _pick(c, speculative=False).target == "w8a8"  # 48 + 4.4 ms < 44 + 15.6 ms
+    assert best_step(c) == "int4"  # the cheapest step alone (the demo's strictest baseline)
+    c.target_costs[1].tp = 1 / 70
+    assert _pick(c, speculative=False).target == "int4"  # no faster on prompts: the step decides
+
+
 def test_a_draft_whose_step_format_is_slow_on_prompts_gets_a_prefill_copy_only_when_it_pays():
     def draft_of(int4_tp: float) -> Choice:
         c = _choice()
