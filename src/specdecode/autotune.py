@@ -361,15 +361,12 @@ def _pick(choice: Choice, speculative: bool) -> Choice:
     if not ok_t:
         raise SpecDecodeError("no weight format ran on this machine; pass --dtype fp32")
     best_d = min(ok_d, key=lambda c: c.t1) if ok_d else None
-    def prompt(c: FormatCosts) -> float:  # a generated token's share of prompt seconds
-        return PROMPT_WEIGHT * (c.tp or 0.0)
-
     if speculative:
         tau = expected_tokens(ALPHA, choice.k)
         draft_s = choice.k * best_d.t1 if best_d else 0.0
-        best_t = min(ok_t, key=lambda c: (c.tk + draft_s) / tau + prompt(c))
+        best_t = min(ok_t, key=lambda c: (c.tk + draft_s) / tau + _prompt_share(c))
     else:
-        best_t = min(ok_t, key=lambda c: c.t1 + prompt(c))
+        best_t = min(ok_t, key=lambda c: c.t1 + _prompt_share(c))
     choice.target = best_t.format
     choice.draft = best_d.format if best_d else None
     choice.draft_prefill = None
@@ -379,6 +376,11 @@ def _pick(choice: Choice, speculative: bool) -> Choice:
         if fast.format != best_d.format and best_d.tp > PREFILL_GAIN * fast.tp:
             choice.draft_prefill = fast.format
     return choice
+
+
+def _prompt_share(c: FormatCosts) -> float:
+    """A generated token's share of prompt seconds (PROMPT_WEIGHT prompt tokens; 0 if not timed)."""
+    return PROMPT_WEIGHT * (c.tp or 0.0)
 
 
 def best_step(choice: Choice) -> str | None:

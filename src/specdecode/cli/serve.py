@@ -205,10 +205,11 @@ def memory_line(gen, args: argparse.Namespace) -> str:
     weights = getattr(gen.target, "weight_bytes", None)
     if weights is not None:
         parts.append(f"target weights {gb(weights())}")
-    model = getattr(gen.drafter, "model", None) or getattr(getattr(gen.drafter, "inner", None), "model", None)
+    drafter = gen.drafter if hasattr(gen.drafter, "model") else getattr(gen.drafter, "inner", None)
+    model = getattr(drafter, "model", None)
     if model is not None and getattr(model, "weight_bytes", None) is not None:
         parts.append(f"draft weights {gb(model.weight_bytes())}")
-        twin = getattr(model, "prefill_model", None)
+        twin = getattr(drafter, "prefill_model", None)  # the drafter's, also under a reduced head
         if twin is not None:
             parts.append(f"its prefill copy {gb(twin.weight_bytes())}")
     if gen.prefix_cache is not None:
