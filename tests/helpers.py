@@ -420,3 +420,34 @@ def train_tiny_eagle(target_dir, out, lines: list[str], seq_len: int):
     text.write_text("".join(line + "\n" for line in lines))
     train_eagle(target_dir, text, out / "eagle", steps=3, batch_size=4, seq_len=seq_len, progress=False)
     return out / "eagle"
+
+
+def churn(gen, prompts: list, params: list) -> tuple[list[list[int]], dict[str, int]]:
+    """Run the rows through one Generation with admissions between rounds: three rows start,
+    the others begin one at a time and prefill 2 prompt tokens a round (join when done) while
+    earlier rows finish. Returns every row's tokens (admission order) and how the target cache
+    took each join: into a free slot of the same storage ("free"), into the storage staged while
+    the prefill ran ("staged"), or into storage made at the join ("new")."""
+    run = gen.stream(prompts[:3], params[:3])
+    waiting, pending = list(range(3, len(prompts))), None
+    joins = {"free": 0, "staged": 0, "new": 0}
+    while run.rows.size or pending is not None or waiting:
+        if pending is None and waiting:
+            i = waiting.pop(0)
+            pending = run.begin([prompts[i]], [params[i]])
+        elif pending is not None:
+            pending.step(2)
+            if pending.done:
+                cache = run.cache
+                before, staged = cache._k.data_ptr(), cache._staged
+                run.join(pending)
+                if run.cache is cache and cache._k.data_ptr() == before:
+                    joins["free"] += 1
+                elif run.cache is cache and staged is not None and cache._k is staged.k:
+                    joins["staged"] += 1
+                else:
+                    joins["new"] += 1
+                pending = None
+        if run.rows.size:
+            next(run)
+    return [r.token_ids for r in run.results()], joins

@@ -6,6 +6,7 @@ admitted mid-run; and a seeded sampled row is the same alone and in a batch."""
 import pytest
 import torch
 
+from helpers import churn
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.models import BUNDLED, models_dir
 from specdecode.models.base import extend
@@ -101,7 +102,10 @@ def test_invariant_cache_moves_rows_and_paths_like_a_plain_cache():
         c.add_rows(other)
         c.grow(150)
     (pk, pv), (ik, iv) = _slots(caches[0]), _slots(caches[1])
-    assert torch.equal(pk, ik[..., : pk.shape[3], :]) and torch.equal(pv, iv[..., : pv.shape[3], :])
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [60, 60, 0]
+    for b, n in enumerate(caches[0].lengths.tolist()):  # the tokens a row holds (past them: stale)
+        assert torch.equal(pk[:, b, :, :n], ik[:, b, :, :n]) and torch.equal(pv[:, b, :, :n], iv[:, b, :, :n])
+    assert torch.equal(pk[:, 0, :, :60], k[:, 2, :, :60])  # row 2 moved to row 0 (its path kept)
     row = caches[1].row(1)
     assert torch.equal(_slots(row)[1][:, 0], iv[:, 1])
 
@@ -214,7 +218,14 @@ def test_a_long_prefill_attended_in_query_blocks_gives_every_token_its_one_token
     from specdecode.models.init import init_model
 
     path = init_model(
-        tmp_path / "m", vocab=64, layers=2, dim=384, heads=6, kv_heads=2, intermediate=256, seed=4,
+        tmp_path / "m",
+        vocab=64,
+        layers=2,
+        dim=384,
+        heads=6,
+        kv_heads=2,
+        intermediate=256,
+        seed=4,
         init_std=0.2,
     )
     model = load(str(path), dtype=DTYPES[dtype])
@@ -260,3 +271,57 @@ def test_the_in_order_chunk_sum_is_the_same_bits_through_cumsum_and_through_the_
     for chunk in x[1:]:
         single.add_(chunk)
     assert not torch.equal(single, _double_loop(x))
+
+
+@bundled
+def test_rows_joining_through_free_slots_and_staged_storage_keep_target_only_tokens(family):
+    """Rows admitted between rounds into a free slot (stale keys of a finished row past their
+    length) and into storage staged while their prefill ran: the same bits as target-only."""
+    _, target, draft = family
+    params = [
+        SamplingParams(
+            temperature=0 if i % 3 else 1.0,
+            seed=i,
+            max_new_tokens=n,
+            ignore_eos=True,
+            sampling_rule="invariant",
+        )
+        for i, n in enumerate((6, 30, 12, 90, 8, 20, 70, 10))
+    ]
+    base = SpeculativeGenerator(target, batch_invariant=True)
+    want = [base.generate(t, p)[0].token_ids for t, p in zip(TEXTS, params)]
+    gen = SpeculativeGenerator(target, draft=draft, k=3, batch_invariant=True)
+    tokens, joins = churn(gen, TEXTS, params)
+    assert tokens == want
+    assert joins["free"] and joins["staged"], joins
+
+
+@bundled
+def test_rows_of_very_different_lengths_attend_in_groups_with_the_bits_of_each_row_alone(family, monkeypatch):
+    """A short row beside 150- and 300-token ones attends over its own key chunks (its own group), not the
+    long row's: every row's logits equal its own decode alone. Negative control: a group given one
+    key chunk too few changes the long row's logits."""
+    from specdecode.models import invariant
+
+    _, target, _ = family
+    texts = [TEXTS[0], TEXTS[1] * 150, TEXTS[2], TEXTS[3] * 150]  # 2, 150, 3 and 300 tokens
+    ids = [target.tokenizer.encode(t) for t in texts]
+    nxt = torch.tensor([[5, 9, 2]] * len(ids))
+
+    def decode(rows: list[int]) -> torch.Tensor:
+        cache = None
+        for b in rows:
+            c = target.new_cache(1, 512, invariant=True)
+            extend(target, c, torch.tensor([ids[b]]), torch.tensor([len(ids[b])]), need_logits=False)
+            cache = c if cache is None else (cache.add_rows(c) or cache)
+        return target.forward(nxt[rows], cache)[0]
+
+    alone = torch.cat([decode([b]) for b in range(len(ids))])
+    seen = []
+    real = invariant._row_groups
+    monkeypatch.setattr(invariant, "_row_groups", lambda ends: seen.append(real(ends)) or seen[-1])
+    assert torch.equal(decode(list(range(len(ids)))), alone)
+    assert len(seen[-1]) == 4, seen[-1]  # short, long, short, long: four groups
+    short = lambda ends: [(a, b, n - 1 if n > 1 else n) for a, b, n in real(ends)]  # noqa: E731
+    monkeypatch.setattr(invariant, "_row_groups", short)
+    assert not torch.equal(decode(list(range(len(ids)))), alone)

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from helpers import churn
 from specdecode import SamplingParams, SpeculativeGenerator, load
 from specdecode.drafters.medusa import MedusaHeads
 from specdecode.engine.policy import CostModel
@@ -134,3 +135,17 @@ def test_import_specdecode_does_not_load_plotting_stats_or_transformers():
     heavy = "{'matplotlib', 'scipy', 'transformers', 'jinja2', 'rich'}"
     code = f"import specdecode, sys; loaded = {heavy} & set(sys.modules); assert not loaded, loaded"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["draft-fixed", "early-exit", "target-only"])
+def test_rows_joining_through_free_slots_and_grown_storage_equal_each_row_alone(models, name):
+    gen = generator(models, name)
+    lengths = [4, 25, 9, 30, 6, 12, 40, 8]  # rows finish at their own rounds; later ones need room
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_new_tokens=n, ignore_eos=True)
+        for i, n in enumerate(lengths)
+    ]
+    alone = [gen.generate([p], s)[0].token_ids for p, s in zip(PROMPTS, params)]
+    tokens, joins = churn(gen, PROMPTS, params)
+    assert tokens == alone
+    assert joins["free"] and joins["staged"], joins  # both ways a row joins were taken

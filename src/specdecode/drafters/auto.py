@@ -120,6 +120,9 @@ class AutoDrafter(Drafter):
         if self.inner is not None:
             self.inner.select_rows(state[1], rows)
 
+    def caches(self, state) -> list:
+        return [] if self.inner is None else self.inner.caches(state[1])
+
     def add_rows(self, state, new) -> None:
         self.suffix.add_rows(state[0], new[0])
         if self.inner is not None:

@@ -139,6 +139,11 @@ class Drafter:
     def add_rows(self, state: Any, new: Any) -> None:
         """Append the rows of `new`, a state start() made for rows admitted between rounds."""
 
+    def caches(self, state: Any) -> list[Cache]:
+        """The KV caches of the drafter's own in `state` (a draft model's), so the engine can
+        prepare their storage for an admission (Cache.reserve_for, tick); none by default."""
+        return []
+
     def forget(self) -> None:
         """Forget what earlier requests taught this drafter (the suffix drafter's cache of their
         prompts and answers); drafters that learn nothing across requests have nothing to do."""

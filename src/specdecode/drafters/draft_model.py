@@ -143,3 +143,6 @@ class DraftModelDrafter(Drafter):
 
     def add_rows(self, state: DraftModelState, new: DraftModelState) -> None:
         state.cache.add_rows(new.cache)
+
+    def caches(self, state: DraftModelState) -> list:
+        return [state.cache]

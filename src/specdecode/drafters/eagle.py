@@ -195,6 +195,9 @@ class FeatureDrafter(Drafter):
         state.cache.select_rows(rows)
         state.feats = state.feats[rows]
 
+    def caches(self, state: EagleState) -> list:
+        return [state.cache]
+
     def add_rows(self, state: EagleState, new: EagleState) -> None:
         state.cache.add_rows(new.cache)
         capacity = state.cache.capacity

@@ -67,6 +67,8 @@ class Generation:
         logprobs = token_logprobs(logits, verdict, rows.params)
         # 5. commit: the accepted drafts stay in the caches, the tokens join the rows
         self._commit(verdict, hidden)
+        for c in self._caches(self.cache, self.state):  # a slice of a coming admission's storage
+            c.tick()
         # 6. emit: stop rules, stats, trace
         tok = self.target.tokenizer
         emitted, finished = emit(
@@ -127,7 +129,7 @@ class Generation:
     def add_many(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[int]:
-        """Admit several rows at once (one prefill, one copy of the caches); their row ids."""
+        """Admit several rows at once (one prefill, then their caches join); their row ids."""
         prefill = self.begin(prompts, params)
         with torch.inference_mode():
             prefill.step(None)
@@ -166,10 +168,21 @@ class Generation:
         (indices in results()) from now on, but decode only once joined."""
         ids, plist = prepare(self.target, list(prompts), params)
         with torch.inference_mode():
-            return self._begin(ids, plist)
+            prefill = self._begin(ids, plist)
+        if self.rows.size:  # the join will add these rows to the batch's caches: prepare them
+            for old, new in zip(
+                self._caches(self.cache, self.state), self._caches(prefill.cache, prefill.state)
+            ):
+                old.reserve_for(new)
+        return prefill
+
+    def _caches(self, cache, state) -> list:
+        """The target's cache and the drafter's own caches of one batch (or admission)."""
+        return [cache] + ([] if self.drafter is None else self.drafter.caches(state))
 
     def join(self, prefill: Prefill) -> list[int]:
-        """Rows whose prefill is done join the running batch (one copy of the caches); their ids."""
+        """Rows whose prefill is done join the running batch (their tokens copied into free
+        slots of the batch's caches, or into storage begin() staged); their ids."""
         if not prefill.done:
             raise SpecDecodeError("this admission's prefill is not done; step() it until done")
         with torch.inference_mode():

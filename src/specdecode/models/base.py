@@ -62,6 +62,12 @@ class Cache(Protocol):
 
     def add_rows(self, other: Cache) -> None: ...
 
+    def reserve_for(self, other: Cache) -> None:
+        """An admission of other's rows has started: prepare storage for add_rows(other)."""
+
+    def tick(self) -> None:
+        """Called once per round: a slice of the preparation reserve_for() started."""
+
 
 class CausalLM(Protocol):
     name: str

@@ -8,6 +8,8 @@ cache of another kind (recurrent state, Hugging Face's own) can implement it its
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..errors import SpecDecodeError
@@ -32,6 +34,14 @@ class KVCache:
     number of KEY_CHUNK chunks, and the values are stored chunk-major, [layers, chunks, B,
     kv_heads, KEY_CHUNK, head_dim], so the first n chunks of every row and head are one
     contiguous block that the attention multiplies chunk by chunk without a copy.
+
+    Rows live in slots: the storage has `slots` >= B rows and the live rows are its first B, so
+    a row joins the batch by a copy of its own tokens into a free slot and a finished row leaves
+    it by moving the rows after it down a slot (their tokens only): the rest of the batch is
+    never copied. The storage is reallocated only when the rows or the capacity outgrow it; an
+    engine that knows an admission is coming calls reserve_for() when the admission starts and
+    tick() once per round, so the new storage's memory is touched a slice per round instead of
+    stalling the batch at the join.
     """
 
     def __init__(
@@ -49,27 +59,68 @@ class KVCache:
         if invariant:
             dtype = torch.float32
             capacity = chunked(capacity)
-        shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        if invariant:
-            shape = (layers, capacity // KEY_CHUNK, batch, kv_heads, KEY_CHUNK, head_dim)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+        self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        self.device = device
+        self._k, self._v = self._storage(batch, capacity, torch.zeros)
         self.capacity = capacity
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+        self._staged: _Staged | None = None  # storage reserved for a coming admission
         self._layer_views()
 
+    # -- storage ------------------------------------------------------------------------
+    def _storage(self, slots: int, capacity: int, alloc) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.layers, slots, self.kv_heads, capacity, self.head_dim)
+        k = alloc(shape, dtype=self.dtype, device=self.device)
+        if self.invariant:
+            shape = (self.layers, capacity // KEY_CHUNK, slots, self.kv_heads, KEY_CHUNK, self.head_dim)
+        return k, alloc(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def size(self) -> int:
+        """Live rows (B)."""
+        return self.lengths.shape[0]
+
+    @property
+    def slots(self) -> int:
+        """Rows the storage has room for (the live rows are the first `size`)."""
+        return self._k.shape[1]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The live rows' keys [layers, B, kv_heads, capacity, head_dim] (a view)."""
+        return self._k.narrow(1, 0, self.size)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The live rows' values (a view; chunk-major when invariant, see the class docstring)."""
+        return self._v.narrow(2 if self.invariant else 1, 0, self.size)
+
     def _layer_views(self) -> None:
-        # per-layer views [B, kv_heads, capacity, head_dim]: narrow() on these is a cheap call,
-        # indexing the 5-d tensor with a tuple of slices is not (it runs per layer per forward)
-        self.layer_k, self.layer_v = list(self.k.unbind(0)), list(self.v.unbind(0))
+        # per-layer views [B, kv_heads, capacity, head_dim] of the live rows: narrow() on these
+        # is a cheap call, indexing the 5-d tensor with a tuple of slices is not (it runs per
+        # layer per forward)
+        B = self.size
+        self.layer_k = [t.narrow(0, 0, B) for t in self._k.unbind(0)]
+        self.layer_v = [t.narrow(1 if self.invariant else 0, 0, B) for t in self._v.unbind(0)]
+
+    def _copy_row(self, dst_k, dst_v, dst: int, src_k, src_v, src: int, n: int) -> None:
+        """Copy the first n tokens of row src of (src_k, src_v) to row dst of (dst_k, dst_v)."""
+        if n <= 0:
+            return
+        dst_k[:, dst, :, :n].copy_(src_k[:, src, :, :n])
+        if self.invariant:  # whole chunks: a chunk's tail past n is never read
+            c = -(-n // KEY_CHUNK)
+            dst_v[:, :c, dst].copy_(src_v[:, :c, src])
+        else:
+            dst_v[:, dst, :, :n].copy_(src_v[:, src, :, :n])
 
     def row(self, b: int) -> KVCache:
         """Row b as a one-row cache that shares this cache's storage (a forward on it writes
         here); its length starts at this row's and is not copied back."""
-        view = object.__new__(KVCache)
-        view.invariant, view.capacity = self.invariant, self.capacity
-        view.k = self.k[:, b : b + 1]
-        view.v = self.v[:, :, b : b + 1] if self.invariant else self.v[:, b : b + 1]
+        view = copy.copy(self)  # the shape fields; storage, lengths and views replaced below
+        view._staged = None
+        view._k = self._k[:, b : b + 1]
+        view._v = self._v[:, :, b : b + 1] if self.invariant else self._v[:, b : b + 1]
         view.lengths = self.lengths[b : b + 1].clone()
         view._layer_views()
         return view
@@ -147,39 +198,116 @@ class KVCache:
         else:
             self.v[:, b, :, start : start + n] = v
 
+    @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the given rows (retire the others); one copy, made when rows finish."""
-        self.k = self.k[:, rows].contiguous()
-        self.v = (self.v[:, :, rows] if self.invariant else self.v[:, rows]).contiguous()
-        self._layer_views()
+        """Keep only the given rows, in that order (retire the others). Increasing rows (the
+        engine's case) move down in place, each copying its own tokens only; any other order is
+        one gather into new storage."""
+        keep = rows.tolist()
+        if all(a < b for a, b in zip(keep, keep[1:])):
+            for i, r in enumerate(keep):
+                if r != i:
+                    self._copy_row(self._k, self._v, i, self._k, self._v, r, int(self.lengths[r]))
+        else:
+            index = rows.to(self._k.device)
+            self._k = self._k[:, index].contiguous()
+            self._v = (self._v[:, :, index] if self.invariant else self._v[:, index]).contiguous()
         self.lengths = self.lengths[rows].clone()
+        self._layer_views()
 
     def grow(self, capacity: int) -> None:
         """Make room for `capacity` positions per row (never shrinks; entries kept)."""
         if self.invariant:
             capacity = chunked(capacity)
-        if capacity <= self.capacity:
-            return
-        pad = capacity - self.capacity
-        self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
-        if self.invariant:  # more chunks (dim 1 of 6)
-            self.v = torch.nn.functional.pad(self.v, (0, 0) * 4 + (0, pad // KEY_CHUNK))
+        if capacity > self.capacity:
+            self._reallocate(self.slots, capacity)
+
+    def _fits(self, rows: int, capacity: int) -> bool:
+        return rows <= self.slots and capacity <= self.capacity
+
+    def _plan(self, rows: int, capacity: int) -> tuple[int, int]:
+        """Slots and capacity of the storage that holds `rows` rows of `capacity` tokens: a
+        quarter more rows than asked when the rows outgrow the storage (a server's batch fills
+        one admission at a time), the capacity as asked."""
+        slots = self.slots if rows <= self.slots else rows + rows // 4
+        capacity = max(self.capacity, chunked(capacity) if self.invariant else capacity)
+        return slots, capacity
+
+    @torch.inference_mode()
+    def _reallocate(self, slots: int, capacity: int) -> None:
+        """Move the live rows (their tokens only) to storage of slots x capacity: the storage
+        reserve_for() staged if it is large enough (its untouched rest zeroed now), else new."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.slots >= slots and staged.capacity >= capacity:
+            k, v = staged.finish()
+            capacity = staged.capacity
         else:
-            self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
-        self.capacity = capacity
+            k, v = self._storage(slots, capacity, torch.zeros)
+        for b in range(self.size):
+            self._copy_row(k, v, b, self._k, self._v, b, int(self.lengths[b]))
+        self._k, self._v, self.capacity = k, v, capacity
         self._layer_views()
 
+    @torch.inference_mode()
     def add_rows(self, other: KVCache) -> None:
-        """Append the rows of another cache of the same model (admission between rounds)."""
-        capacity = max(self.capacity, other.capacity)
-        self.grow(capacity)
-        other.grow(capacity)
+        """Append the rows of another cache of the same model (admission between rounds): each
+        new row's tokens are copied into a free slot; the live rows stay where they are unless
+        the storage must grow."""
         if self.invariant != other.invariant:
             raise ValueError("cannot join an invariant cache and a plain one")
-        self.k = torch.cat([self.k, other.k], 1)
-        self.v = torch.cat([self.v, other.v], 2 if self.invariant else 1)
+        B, n = self.size, other.size
+        if not self._fits(B + n, other.capacity):
+            self._reallocate(*self._plan(B + n, other.capacity))
+        for j in range(n):
+            self._copy_row(self._k, self._v, B + j, other._k, other._v, j, int(other.lengths[j]))
         self.lengths = torch.cat([self.lengths, other.lengths])
         self._layer_views()
+
+    @torch.inference_mode()
+    def reserve_for(self, other: KVCache) -> None:
+        """An admission of `other`'s rows has started (its prefill runs between rounds): if
+        add_rows(other) will outgrow the storage, stage the new storage now; tick() zeroes it a
+        slice per round, so the join finds its memory touched instead of faulting it in."""
+        if not isinstance(other, KVCache) or other.invariant != self.invariant:
+            return
+        if self._fits(self.size + other.size, other.capacity):
+            return
+        slots, capacity = self._plan(self.size + other.size, other.capacity)
+        if self._staged is not None and self._staged.slots >= slots and self._staged.capacity >= capacity:
+            return
+        self._staged = _Staged(*self._storage(slots, capacity, torch.empty), slots, capacity)
+
+    @torch.inference_mode()
+    def tick(self) -> None:
+        """Zero the next slice of the staged storage (see reserve_for); a no-op without one."""
+        if self._staged is not None:
+            self._staged.zero_next()
+
+
+class _Staged:
+    """Storage reserved for a coming admission, allocated uninitialised and zeroed a slice at a
+    time (every slot must hold finite numbers: a masked key's weight is an exact 0, and 0 times a
+    NaN left in memory would not be)."""
+
+    SLICE = 1 << 23  # elements zeroed per tick (32 MB of float32)
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: int, capacity: int) -> None:
+        self.k, self.v, self.slots, self.capacity = k, v, slots, capacity
+        self.flat = [k.view(-1), v.view(-1)]
+        self.done = [0, 0]
+
+    def zero_next(self) -> None:
+        for i, flat in enumerate(self.flat):
+            if self.done[i] < flat.numel():
+                end = min(self.done[i] + self.SLICE, flat.numel())
+                flat[self.done[i] : end].zero_()
+                self.done[i] = end
+                return
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for i, flat in enumerate(self.flat):
+            flat[self.done[i] :].zero_()
+        return self.k, self.v
 
 
 def write_chunked(layer_v: torch.Tensor, start: int, v: torch.Tensor) -> None:

@@ -65,6 +65,12 @@ class HFCache:
         self.live = self.live[rows]
         self.lengths = self.lengths[rows].clone()
 
+    def reserve_for(self, other) -> None:  # joins copy the rows (nothing to prepare)
+        pass
+
+    def tick(self) -> None:
+        pass
+
     def add_rows(self, other: HFCache) -> None:
         """Admission between rounds: transformers' caches keep one length for all rows, which
         this adapter does not re-pad; run admitted requests on our lean runtime instead."""

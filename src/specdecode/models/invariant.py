@@ -93,6 +93,21 @@ def cumsum_matches_loop() -> bool:
     return True
 
 
+def _row_groups(ends: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Consecutive batch rows whose key chunks (ends [B]: one past the last key slot a row's
+    queries see) are within 2x of each other share one group: (first row, end row, chunks)."""
+    chunks = [max(chunked(int(e)) // KEY_CHUNK, 1) for e in ends.tolist()]
+    groups, start, low, high = [], 0, chunks[0], chunks[0]
+    for b, n in enumerate(chunks[1:], 1):
+        if max(high, n) > 2 * min(low, n):
+            groups.append((start, b, high))
+            start, low, high = b, n, n
+        else:
+            low, high = min(low, n), max(high, n)
+    groups.append((start, len(chunks), high))
+    return groups
+
+
 def padded_rows(n: int) -> int:
     return -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
 
@@ -146,6 +161,12 @@ class InvariantAttention:
             starts = [0, *ends[:-1]]
             ends[-1] = self.M0  # the padding rows go with the last block
             self.blocks = [(a, b, max(n, 1)) for a, b, n in zip(starts, ends, chunks)]
+        # (first row, end row, key chunks) per group of batch rows of similar lengths; None: one
+        # group of all. A decode batch's rows attend over their own key chunks, not the longest
+        # row's: a 1,929-token row beside four short ones cost every row its 31 chunks
+        self.groups = None
+        if order is None and self.blocks is None and Bm > 1:
+            self.groups = _row_groups(rows[:, : self.M].any(1).flip(-1).int().argmax(-1).neg().add(self.N))
         if order is not None:
             N, C = self.N, KEY_CHUNK
             order = F.pad(order, (0, N - order.shape[2]), value=0)
@@ -167,7 +188,9 @@ class InvariantAttention:
         output [B * T, H * D] in the model dtype."""
         B, T, Hkv, G, D, M, M0 = self.B, self.T, self.Hkv, self.G, self.D, self.M, self.M0
         self.q[:, :, :M].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4))
-        if self.blocks is None:
+        if self.groups is not None:
+            out = torch.cat([self._attend(0, M0, n, keys, values, b0, b1) for b0, b1, n in self.groups])
+        elif self.blocks is None:
             out = self._attend(0, M0, self.N // KEY_CHUNK, keys, values)
         else:
             out = torch.cat([self._attend(a, b, n, keys, values) for a, b, n in self.blocks], dim=1)
@@ -175,17 +198,37 @@ class InvariantAttention:
         attn.copy_(out.view(B, Hkv, M0, D)[:, :, :M].view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4))
         return attn.view(B * T, Hkv * G * D)
 
-    def _attend(self, r0: int, r1: int, nc: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """The attention output of query rows r0:r1 over the first nc key chunks: [BH, r1 - r0, D]."""
-        B, Hkv, D, M0 = self.B, self.Hkv, self.D, self.M0
+    def _attend(
+        self,
+        r0: int,
+        r1: int,
+        nc: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        b0: int = 0,
+        b1: int | None = None,
+    ) -> torch.Tensor:
+        """The attention output of query rows r0:r1 of batch rows b0:b1 (default all) over the
+        first nc key chunks: [(b1 - b0) * kv_heads, r1 - r0, D]."""
+        Hkv, D, M0 = self.Hkv, self.D, self.M0
+        b1 = self.B if b1 is None else b1
+        B = b1 - b0
         BH, N, R = B * Hkv, nc * KEY_CHUNK, r1 - r0
+        if B != self.B:
+            keys, values = keys.narrow(0, b0, B), values.narrow(1, b0, B)
+        mask = self.mask if self.mask.shape[0] == 1 else self.mask[b0 * Hkv : b1 * Hkv]
         # scores: one GEMM per chunk of KEY_CHUNK keys, all of one shape ([M0, D] x [D, 64]):
         # a GEMM over all N keys at once took another kernel for 64 than for 128 keys on an AMX
         # Xeon's MKL, and a token's scores moved in the last bits with the key count
         k = keys.narrow(2, 0, N).reshape(BH * nc, KEY_CHUNK, D)
-        q = self.q.view(BH, 1, M0, D)[:, :, r0:r1].expand(BH, nc, R, D).reshape(BH * nc, R, D)
+        q = (
+            self.q.narrow(0, b0, B)
+            .reshape(BH, 1, M0, D)[:, :, r0:r1]
+            .expand(BH, nc, R, D)
+            .reshape(BH * nc, R, D)
+        )
         scores = torch.bmm(q, k.transpose(1, 2)).view(BH, nc, R, KEY_CHUNK).transpose(1, 2)
-        scores = scores.reshape(BH, R, N).mul_(self.scale).add_(self.mask[:, r0:r1, :N])
+        scores = scores.reshape(BH, R, N).mul_(self.scale).add_(mask[:, r0:r1, :N])
         if self.order is not None:  # a tree: the scores in each node's logical key order
             scores = scores.gather(2, self.order).masked_fill_(self.blocked, float("-inf"))
         p = torch.softmax(scores, dim=-1)  # [BH, R, N]

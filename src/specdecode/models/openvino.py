@@ -256,6 +256,12 @@ class OVCache:
         self.v = [a[idx] for a in self.v]
         self.lengths = self.lengths[rows].clone()
 
+    def reserve_for(self, other) -> None:  # joins copy the rows (nothing to prepare)
+        pass
+
+    def tick(self) -> None:
+        pass
+
     def add_rows(self, other: OVCache) -> None:
         if other.capacity != self.capacity:
             raise ValueError("add_rows: the caches' capacities differ")
