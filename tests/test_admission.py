@@ -95,6 +95,27 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(models, method, rul
         assert [results[i].token_ids for i in ids] == [r.token_ids for r in whole]
 
 
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_a_draft_models_prefill_takes_turns_with_the_targets_chunks(models, method):
+    """Between two rounds a chunked admission runs either a target chunk or the draft model's
+    catch-up on tokens the target already has, never both (a step of each would cost a round's
+    worth of extra latency); the admission is done only when the draft has caught up."""
+    gen = generator(models, method)
+    run = gen.stream([TEXT[:10]], PARAMS["greedy"])
+    prefill = run.begin([TEXT], PARAMS["greedy"])
+    draft_cache = gen.drafter.caches(prefill.state)[0]
+    seen = []
+    while not prefill.done:
+        target_before, draft_before = int(prefill.cache.lengths[0]), int(draft_cache.lengths[0])
+        fed = prefill.step(16)
+        moved = (int(prefill.cache.lengths[0]) - target_before, int(draft_cache.lengths[0]) - draft_before)
+        assert moved == (fed, 0) if fed else moved[0] == 0 and 0 < moved[1] <= 16, moved
+        seen.append("t" if fed else "d")
+        next(run, None)
+    assert "".join(seen[:4]) == "tdtd" and seen[-1] == "d"
+    assert int(draft_cache.lengths[0]) == int(prefill.cache.lengths[0]) == int(prefill.goal[0])
+
+
 @pytest.mark.parametrize(("method", "rule"), CASES)
 def test_prefix_cache_reuses_blocks_and_changes_no_token(models, method, rule):
     """A request that shares a 128-token prefix with an earlier one takes those blocks from the

@@ -67,6 +67,10 @@ class AutoDrafter(Drafter):
     def keeps_prefix(self) -> bool:  # type: ignore[override]
         return self.inner is not None and self.inner.keeps_prefix
 
+    @property
+    def prefills_own(self) -> bool:  # type: ignore[override]
+        return self.inner is not None and self.inner.prefills_own
+
     def prefill(self, state, ctx, lengths) -> None:
         if self.inner is not None:
             self.inner.prefill(state[1], ctx, lengths)

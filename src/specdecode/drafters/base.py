@@ -103,6 +103,9 @@ class Drafter:
     # model's cache) keeps it in the cached blocks, and a prompt is reused only as far as its
     # blocks carry that state
     keeps_prefix: ClassVar[bool] = False
+    # prefill() runs a forward of its own (a draft model): the engine may run it in steps of its
+    # own between rounds, after the target's chunks (engine/prefill.py)
+    prefills_own: ClassVar[bool] = False
 
     def save_prefix(self, state: Any, row: int, start: int) -> Any:
         """A copy of row `row`'s own state for tokens start .. start + prefix.BLOCK - 1 (None if it

@@ -68,6 +68,7 @@ class DraftModelDrafter(Drafter):
         return cls(draft, target, config.draft_vocab, chains=config.tree is None)
 
     keeps_prefix = True
+    prefills_own = True
 
     def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
         """The draft's own cache; batch-invariant when the target's is and the draft drafts chains

@@ -46,10 +46,19 @@ class Prefill:
         self.outputs: list = []  # the rows' RowOutputs (set by the Generation)
         if self.prefix is not None:
             self._reuse()
+        # a drafter whose prefill() runs a forward of its own (a draft model) catches up in steps
+        # of its own, taking turns with the target's chunks, so no step between two rounds costs
+        # a target chunk and a draft chunk together; None: it follows each target chunk at once
+        self.drafted: torch.Tensor | None = None
+        if self.drafter is not None and self.drafter.prefills_own:
+            keeps = self.drafter.keeps_prefix and self.prefix is not None
+            self.drafted = self.cache.lengths.clone() if keeps else torch.zeros_like(self.cache.lengths)
+        self._draft_turn = False
 
     @property
     def done(self) -> bool:
-        return bool((self.cache.lengths >= self.goal).all())
+        target = bool((self.cache.lengths >= self.goal).all())
+        return target and (self.drafted is None or bool((self.drafted >= self.goal).all()))
 
     @property
     def remaining(self) -> int:
@@ -73,7 +82,34 @@ class Prefill:
     @torch.inference_mode()
     def step(self, budget: int | None) -> int:
         """Prefill up to `budget` more prompt tokens (None: all that remain), the earliest rows
-        first; returns how many were fed."""
+        first; returns how many the target was fed (0 for a step of a draft model's own, which
+        feeds it up to `budget` tokens the target already has)."""
+        if budget is None:
+            fed = self._target_step(None)
+            self._draft_step(None)
+            return fed
+        if self.drafted is not None:
+            lags = bool((self.drafted < self.cache.lengths).any())
+            target_done = bool((self.cache.lengths >= self.goal).all())
+            if lags and (self._draft_turn or target_done):
+                self._draft_turn = False
+                self._draft_step(budget)
+                return 0
+            self._draft_turn = True
+        return self._target_step(budget)
+
+    def _draft_step(self, budget: int | None) -> None:
+        """Bring the draft model's cache up to `budget` tokens nearer the target's."""
+        if self.drafted is None:
+            return
+        todo = (self.cache.lengths - self.drafted).clamp(min=0)
+        if budget is not None:
+            todo = torch.minimum(todo, (budget - (torch.cumsum(todo, 0) - todo)).clamp(min=0))
+        if int(todo.sum()):
+            self.drafter.prefill(self.state, self.rows.context(), self.drafted + todo)
+        self.drafted = self.drafted + todo
+
+    def _target_step(self, budget: int | None) -> int:
         start = self.cache.lengths.clone()
         todo = (self.goal - start).clamp(min=0)
         if budget is not None:
@@ -108,7 +144,8 @@ class Prefill:
         if self.drafter is not None:
             if hidden is not None:  # features of the tokens just fed
                 self.drafter.observe(self.state, hidden, start, todo)
-            self.drafter.prefill(self.state, rows.context(), upto)
+            if self.drafted is None:
+                self.drafter.prefill(self.state, rows.context(), upto)
         return fed
 
     @torch.inference_mode()
