@@ -97,9 +97,10 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(models, method, rul
 
 @pytest.mark.parametrize("method", ["draft", "auto"])
 def test_a_draft_models_prefill_takes_turns_with_the_targets_chunks(models, method):
-    """Between two rounds a chunked admission runs either a target chunk or the draft model's
-    catch-up on tokens the target already has, never both (a step of each would cost a round's
-    worth of extra latency); the admission is done only when the draft has caught up."""
+    """Between two rounds a chunked admission of a prompt longer than the budget runs either a
+    target chunk or the draft model's catch-up on tokens the target already has, never both (a
+    step of each would cost a round's worth of extra latency); the admission is done only when
+    the draft has caught up. A prompt that fits the budget takes one step of both."""
     gen = generator(models, method)
     run = gen.stream([TEXT[:10]], PARAMS["greedy"])
     prefill = run.begin([TEXT], PARAMS["greedy"])
@@ -109,11 +110,18 @@ def test_a_draft_models_prefill_takes_turns_with_the_targets_chunks(models, meth
         target_before, draft_before = int(prefill.cache.lengths[0]), int(draft_cache.lengths[0])
         fed = prefill.step(16)
         moved = (int(prefill.cache.lengths[0]) - target_before, int(draft_cache.lengths[0]) - draft_before)
-        assert moved == (fed, 0) if fed else moved[0] == 0 and 0 < moved[1] <= 16, moved
-        seen.append("t" if fed else "d")
+        if fed and moved[1]:  # the last piece fits the budget: both in one step
+            assert moved == (fed, fed) and prefill.done, moved
+        else:
+            assert moved == (fed, 0) if fed else moved[0] == 0 and 0 < moved[1] <= 16, moved
+        seen.append("b" if fed and moved[1] else "t" if fed else "d")
         next(run, None)
-    assert "".join(seen[:4]) == "tdtd" and seen[-1] == "d"
+    assert "".join(seen[:4]) == "tdtd" and seen[-1] in "db" and "b" not in seen[:-1]
     assert int(draft_cache.lengths[0]) == int(prefill.cache.lengths[0]) == int(prefill.goal[0])
+    short = run.begin([TEXT[:12]], PARAMS["greedy"])
+    short_draft = gen.drafter.caches(short.state)[0]
+    assert short.step(16) == int(short.goal[0]) and short.done
+    assert int(short_draft.lengths[0]) == int(short.goal[0])
 
 
 @pytest.mark.parametrize(("method", "rule"), CASES)

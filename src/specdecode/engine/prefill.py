@@ -46,9 +46,11 @@ class Prefill:
         self.outputs: list = []  # the rows' RowOutputs (set by the Generation)
         if self.prefix is not None:
             self._reuse()
-        # a drafter whose prefill() runs a forward of its own (a draft model) catches up in steps
-        # of its own, taking turns with the target's chunks, so no step between two rounds costs
-        # a target chunk and a draft chunk together; None: it follows each target chunk at once
+        # a drafter whose prefill() runs a forward of its own (a draft model) catches up on a
+        # prompt longer than the step's budget in steps of its own, taking turns with the
+        # target's chunks, so no step between two rounds costs a target chunk and a draft chunk
+        # together (a prompt that fits the budget takes one step of both, as it would whole);
+        # None: it follows each target chunk at once
         self.drafted: torch.Tensor | None = None
         if self.drafter is not None and self.drafter.prefills_own:
             keeps = self.drafter.keeps_prefix and self.prefix is not None
@@ -90,6 +92,10 @@ class Prefill:
             return fed
         if self.drafted is not None:
             lags = bool((self.drafted < self.cache.lengths).any())
+            if not lags and self.remaining <= budget:  # the rest fits: both in this step
+                fed = self._target_step(budget)
+                self._draft_step(None)
+                return fed
             target_done = bool((self.cache.lengths >= self.goal).all())
             if lags and (self._draft_turn or target_done):
                 self._draft_turn = False
