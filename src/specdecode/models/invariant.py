@@ -153,8 +153,10 @@ class InvariantAttention:
         self.order = None
         # (first row, end row, key chunks) per block of a long prefill; None: one block of all
         self.blocks = None
+        # one past the last key slot each query of each row sees: [Bm, M]
+        seen_end = (rows[:, : self.M] * torch.arange(1, self.N + 1, device=dev)).amax(-1)
         if order is None and T > QUERY_BLOCK:
-            need = (rows[:, : self.M] * torch.arange(1, self.N + 1, device=dev)).amax(-1).amax(0)  # [M]
+            need = seen_end.amax(0)  # [M]
             step = QUERY_BLOCK * group
             ends = [min(r + step, self.M) for r in range(0, self.M, step)]
             chunks = [chunked(int(need[e - 1])) // KEY_CHUNK for e in ends]
@@ -166,7 +168,7 @@ class InvariantAttention:
         # row's: a 1,929-token row beside four short ones cost every row its 31 chunks
         self.groups = None
         if order is None and self.blocks is None and Bm > 1:
-            self.groups = _row_groups(rows[:, : self.M].any(1).flip(-1).int().argmax(-1).neg().add(self.N))
+            self.groups = _row_groups(seen_end.amax(1))
         if order is not None:
             N, C = self.N, KEY_CHUNK
             order = F.pad(order, (0, N - order.shape[2]), value=0)
