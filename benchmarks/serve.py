@@ -815,6 +815,9 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serve")
     args = ap.parse_args()
+    bad = [s for s in args.chunked_settings.split(",") if s not in ("auto", "off") and not s.isdigit()]
+    if bad:
+        ap.error(f"--chunked-settings: {bad[0]!r} is not auto, off or a number of tokens")
     args.peers = [p for p in PEERS if "llama-server" in args.peer and (p == "llama-server" or args.draft)]
     args.out.mkdir(parents=True, exist_ok=True)
     args.methods = [m for m in args.methods.split(",") if m]
