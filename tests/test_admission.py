@@ -252,11 +252,15 @@ def test_table_costs_alone_never_learn():
     assert caps == [4] * 20
 
 
-def test_online_costs_add_the_time_spent_prefilling_to_every_round():
+def test_online_costs_report_the_time_spent_prefilling_but_never_charge_it_to_a_round():
+    """Prefill seconds do not depend on what the rounds draft: charged to every candidate they
+    made a wide round look cheaper (the pair drafted 4 tokens at B = 4 right after admissions)."""
     costs = OnlineCosts(TABLE)
     for _ in range(50):
         costs.record(4, 4, 1.3, overhead=0.5)
     model = costs.at(4)
-    assert model.round_cost(0) == pytest.approx(1.5, rel=1e-3)
-    assert model.round_cost(4) == pytest.approx(1.8, rel=1e-3)
-    assert model.round_cost(2) == pytest.approx(TABLE.at(4).round_cost(2) + 0.5, rel=1e-3)
+    drafting = 1.3 / TABLE.at(4).round_cost(4)
+    assert model.round_cost(0) == pytest.approx(TABLE.at(4).round_cost(0), rel=1e-3)
+    assert model.round_cost(4) == pytest.approx(1.3, rel=1e-3)
+    assert model.round_cost(2) == pytest.approx(TABLE.at(4).round_cost(2) * drafting, rel=1e-3)
+    assert costs.to_dict()["overhead_s"] == pytest.approx(0.5, rel=1e-3)

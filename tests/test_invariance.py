@@ -325,3 +325,39 @@ def test_rows_of_very_different_lengths_attend_in_groups_with_the_bits_of_each_r
     short = lambda ends: [(a, b, n - 1 if n > 1 else n) for a, b, n in real(ends)]  # noqa: E731
     monkeypatch.setattr(invariant, "_row_groups", short)
     assert not torch.equal(decode(list(range(len(ids)))), alone)
+
+
+@bundled
+def test_a_deferred_row_warmed_later_holds_the_draft_keys_of_a_row_prefilled_at_admission(family, monkeypatch):  # noqa: E501
+    """A row whose draft prefill was deferred drafts nothing while cold, though the other rows'
+    draft forwards run over it; warmed after 3 rounds, its draft model's keys and values are bit
+    for bit those of the same row prefilled at admission, and greedy tokens equal target-only.
+    Negative control: keeping what the chain's forwards wrote past the cold row's tokens
+    (no _keep_cold) leaves keys that are not the row's."""
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
+    _, target, draft = family
+    texts = ["孔明曰：「吾觀天象，", TEXTS[1]]
+    gen = SpeculativeGenerator(target, draft=draft, k=3, batch_invariant=True)
+    want = SpeculativeGenerator(target, batch_invariant=True).generate(texts, GREEDY)
+
+    def warmed_keys() -> tuple[torch.Tensor, list]:
+        run = gen.stream(texts, GREEDY, defer=[True, False])
+        for _ in range(3):
+            next(run)
+        ((b, _),) = run.cold_rows()
+        run.warm(b)
+        n = int(run.state.cache.lengths[b])
+        return run.state.cache.k[:, b, ..., :n, :].clone(), [r.token_ids for r in run.results()]
+
+    keys, tokens = warmed_keys()
+    assert tokens == [r.token_ids for r in want]
+    ref = gen.stream(texts, GREEDY)  # the same row, prefilled at admission
+    for _ in range(3):
+        next(ref)
+    n = min(keys.shape[-2], int(ref.state.cache.lengths[0]))  # the tokens both rows hold
+    assert n > len(target.tokenizer.encode(texts[0]))  # the prompt and some answer
+    assert torch.equal(ref.state.cache.k[:, 0, ..., :n, :], keys[..., :n, :])
+    monkeypatch.setattr(DraftModelDrafter, "_keep_cold", staticmethod(lambda state, held: None))
+    broken, _ = warmed_keys()
+    assert not torch.equal(ref.state.cache.k[:, 0, ..., :n, :], broken[..., :n, :])

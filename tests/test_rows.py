@@ -149,3 +149,34 @@ def test_rows_joining_through_free_slots_and_grown_storage_equal_each_row_alone(
     tokens, joins = churn(gen, PROMPTS, params)
     assert tokens == alone
     assert joins["free"] and joins["staged"], joins  # both ways a row joins were taken
+
+
+KEYED = SamplingParams(temperature=1.0, max_new_tokens=20, seed=7, ignore_eos=True, sampling_rule="invariant")
+
+
+@pytest.mark.parametrize("name", ["draft-fixed", "draft-heuristic"])
+def test_deferred_rows_draft_nothing_until_warmed_then_give_the_tokens_of_each_row_alone(models, name):
+    """A row admitted without the draft model's prefill (a server under load: defer) proposes
+    nothing until warm() feeds its draft model, then drafts; every row's tokens are those of the
+    row alone. A seeded row sampled by the standard rule is never deferred (its drafts decide
+    its text)."""
+    gen = generator(models, name)
+    prompts, params = PROMPTS[1:5], [GREEDY, SAMPLED, KEYED, GREEDY]
+    alone = [gen.generate([p], s)[0].token_ids for p, s in zip(prompts, params)]
+    run = gen.stream(prompts[:3], params[:3], defer=[True, True, True])
+    assert [b for b, _ in run.cold_rows()] == [0, 2]  # not the seeded standard-rule row
+    drafted_cold = []
+    for _ in range(3):
+        event = next(run)
+        drafted_cold += [int(event.verdict.draft_lengths[b]) for b in (0, 2)]
+    assert drafted_cold == [0] * 6
+    pending = run.begin([prompts[3]], [params[3]], defer=[True])
+    pending.step(None)
+    run.join(pending)
+    assert [b for b, _ in run.cold_rows()] == [0, 2, 3]
+    for b, lag in run.cold_rows():
+        assert lag > 0 and run.warm(b) == lag
+    assert run.cold_rows() == []
+    event = next(run)
+    assert all(int(d) > 0 for d in event.verdict.draft_lengths)  # every row drafts again
+    assert [r.token_ids for r in run.results()] == alone

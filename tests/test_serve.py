@@ -664,6 +664,41 @@ def test_load_aware_two_token_check_catches_resampling_from_p(small_vocab, monke
     assert not ok, msg
 
 
+def deferred_pairs(small_vocab, prompt):
+    """Two tokens per row at T = 1, unseeded: every other row admitted without the draft
+    model's prefill (drafting nothing in its first round), warmed after it, so its second token
+    is drafted from a draft model that caught up."""
+    target, draft = small_vocab
+    gen = SpeculativeGenerator(target, draft, k=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
+    run = gen.stream([prompt] * RUNS, params, defer=[i % 2 == 0 for i in range(RUNS)])
+    first = next(run)
+    cold = [b for b, _ in run.cold_rows()]
+    drafted_cold = int(first.verdict.draft_lengths[::2].sum())
+    run.warm(cold)
+    results = run.results()
+    V = target.vocab_size
+    return np.array([r.token_ids[0] * V + r.token_ids[1] for r in results]), len(cold), drafted_cold
+
+
+@pytest.mark.heavy
+def test_rows_deferred_then_warmed_keep_the_two_token_distribution(small_vocab):
+    prompt = [5, 9, 2]
+    pairs, cold, drafted_cold = deferred_pairs(small_vocab, prompt)
+    assert cold > RUNS // 3 and drafted_cold == 0  # most deferred rows were still running, cold
+    ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
+    assert ok, msg
+
+
+@pytest.mark.heavy
+def test_deferred_two_token_check_catches_resampling_from_p(small_vocab, monkeypatch):
+    resample_from_p_after_rejection(monkeypatch)
+    prompt = [5, 9, 2]
+    pairs, _, _ = deferred_pairs(small_vocab, prompt)
+    ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
+    assert not ok, msg
+
+
 # -- the command ----------------------------------------------------------------------------
 
 
@@ -789,3 +824,46 @@ def test_load_costs_are_measured_for_drafters_that_draft_past_k(pair_dir, method
     gen = SpeculativeGenerator(load(pair_dir[0]), draft=draft, method=method, k=2)
     table = gen.measure_load_costs([1, 2], rounds=3)
     assert sorted(table.round_s) == [1, 2] and all(sorted(r) == [0, 1, 2] for r in table.round_s.values())
+
+
+def test_a_server_under_load_skips_the_draft_models_prefill_and_warms_a_row_left_alone(chat_target):
+    """Where drafting does not pay at the batch's size (this table: it pays for one row only),
+    admitted rows skip the draft model's prefill (counted) and draft nothing; once the row with
+    many tokens to go is left alone, its draft model catches up (counted) and it drafts; greedy
+    answers equal speculation off. The loop is stepped here, no thread."""
+    import asyncio
+
+    gen = make_gen(chat_target)
+    gen.load_costs = LoadCosts({1: {0: 1.0, 1: 1.05, 4: 1.2}, 2: {0: 1.0, 1: 3.0, 4: 6.0}})
+    metrics = Metrics()
+    loop = EngineLoop(gen, metrics, max_batch=8)
+    tok = gen.target.tokenizer
+    prompts = [tok.encode(t) for t in ("天下大势，分久必合", "曹操大怒", "玄德大喜，")]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (3, 5, 60)]
+    jobs = [Job(p, [s], asyncio.new_event_loop()) for p, s in zip(prompts, params)]
+    for job in jobs:
+        loop.submit(job)
+    drafted_before_alone = None
+    while not all(job.done for job in jobs):
+        loop._admit()
+        loop._prefill()
+        if loop.running:
+            if len(loop.running) == 1 and drafted_before_alone is None:
+                drafted_before_alone = metric_value(metrics, "spec_decode_num_draft_tokens")
+            loop._round()
+    off = SpeculativeGenerator(gen.target, batch_invariant=True).generate(prompts, params)
+    assert [job.choices[0].tokens for job in jobs] == [r.token_ids for r in off]
+    assert metric_value(metrics, "draft_deferred_rows") == 3
+    assert drafted_before_alone == 0  # nothing drafted while the three ran together
+    assert metric_value(metrics, "draft_warmed_rows") == 1
+    assert jobs[2].choices[0].stats.drafted > 0
+
+
+def metric_value(metrics: Metrics, name: str) -> float:
+    from prometheus_client import generate_latest
+
+    total = 0.0
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line.startswith(f"specdecode:{name}") and not line.startswith("#") and "_created" not in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total

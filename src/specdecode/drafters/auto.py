@@ -75,6 +75,16 @@ class AutoDrafter(Drafter):
         if self.inner is not None:
             self.inner.prefill(state[1], ctx, lengths)
 
+    def defer(self, state, rows: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.defer(state[1], rows)
+
+    def cold_lags(self, state, ctx):
+        return self.inner.cold_lags(state[1], ctx) if self.inner is not None else None
+
+    def warm(self, state, ctx, rows: list[int], budget: int | None = None) -> int:
+        return self.inner.warm(state[1], ctx, rows, budget) if self.inner is not None else 0
+
     def save_prefix(self, state, row: int, start: int):
         return self.inner.save_prefix(state[1], row, start) if self.inner is not None else None
 

@@ -107,6 +107,21 @@ class Drafter:
     # own between rounds, after the target's chunks (engine/prefill.py)
     prefills_own: ClassVar[bool] = False
 
+    def defer(self, state: Any, rows: list[int]) -> None:
+        """A drafter that prefills_own: these rows' prompts were not fed to it (the engine deferred
+        its prefill: a server under a load where drafting does not pay); they draft nothing, and
+        nothing is fed for them, until warm() has caught them up. Others: never called."""
+
+    def cold_lags(self, state: Any, ctx: DraftContext) -> list[int] | None:
+        """Per row: how many committed tokens a deferred (cold) row still lacks, 0 for a row that
+        drafts; None when no row is cold."""
+        return None
+
+    def warm(self, state: Any, ctx: DraftContext, rows: list[int], budget: int | None = None) -> int:
+        """Feed these cold rows up to `budget` more of their committed tokens each (None: all);
+        a row drafts again once it has them. Returns the tokens fed."""
+        return 0
+
     def save_prefix(self, state: Any, row: int, start: int) -> Any:
         """A copy of row `row`'s own state for tokens start .. start + prefix.BLOCK - 1 (None if it
         has none yet)."""

@@ -13,10 +13,24 @@ from ..models.base import Cache, CausalLM, ForwardMeta, extend
 from ..models.cache import BLOCK, KVCache
 from .base import DraftChain, DraftContext, Drafter, TreeDraw, weights_dtype_of
 
+CATCH_UP = 4  # a row this many tokens behind catches up through the prefill copy (_catch_up)
+
+
+def _seeded_standard(ctx: DraftContext) -> list[bool]:
+    """Per row: seeded and sampled by the standard rule (its drafts' q decide its text)."""
+    rng = ctx.rng
+    if rng is None:
+        return [False] * ctx.size
+    temps = ctx.warp.temperature.tolist()
+    return [g is not None and k is None and t > 0 for g, k, t in zip(rng.generators, rng.keys, temps)]
+
 
 @dataclass
 class DraftModelState:
     cache: Cache  # the draft model's cache: every committed token it has seen
+    # per row: its prompt was not fed (defer()), so it drafts nothing and its cache is left
+    # alone until warm() catches it up
+    cold: torch.Tensor  # [B] bool, on the CPU
 
 
 class DraftModelDrafter(Drafter):
@@ -75,9 +89,10 @@ class DraftModelDrafter(Drafter):
         (so a draft, and with it a seeded sample under the standard rule, does not depend on the
         batch either; a tree's level-by-level draft forwards need the plain cache)."""
         invariant = getattr(target_cache, "invariant", False) and self.chains
+        cold = torch.zeros(ctx.size, dtype=torch.bool)
         if invariant and self.model.lean and self.model.supports_invariant:
-            return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity, invariant=True))
-        return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity))
+            return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity, invariant=True), cold)
+        return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity), cold)
 
     def prefill(self, state: DraftModelState, ctx: DraftContext, lengths: torch.Tensor) -> None:
         """Feed the draft model the tokens the target has prefilled (with the target's chunks),
@@ -85,6 +100,71 @@ class DraftModelDrafter(Drafter):
         lengths = torch.maximum(lengths, state.cache.lengths)
         if bool((lengths > state.cache.lengths).any()):
             extend(self.prefill_model or self.model, state.cache, ctx.tokens, lengths, need_logits=False)
+
+    def defer(self, state: DraftModelState, rows: list[int]) -> None:
+        cold = state.cold.clone()
+        cold[rows] = True
+        state.cold = cold
+
+    def cold_lags(self, state: DraftModelState, ctx: DraftContext) -> list[int] | None:
+        if not bool(state.cold.any()):
+            return None
+        lag = (ctx.lengths.cpu() - 1 - state.cache.lengths.cpu()).clamp(min=0)
+        state.cold = state.cold & (lag > 0)  # nothing to catch up (a one-token prompt): it drafts
+        return torch.where(state.cold, lag, 0).tolist()
+
+    @torch.inference_mode()
+    def warm(
+        self, state: DraftModelState, ctx: DraftContext, rows: list[int], budget: int | None = None
+    ) -> int:
+        """Feed cold rows up to `budget` each of the tokens they lack (all but the pending one)
+        through the prefill copy: one row alone, several in one padded forward; a row drafts
+        again once it has them all. Returns the tokens fed."""
+        cache = state.cache
+        have = cache.lengths.clone()
+        goal = ctx.lengths.to(have.device) - 1
+        upto = have.clone()
+        for b in rows:
+            upto[b] = goal[b] if budget is None else min(int(goal[b]), int(have[b]) + budget)
+        model = self.prefill_model or self.model
+        if len(rows) == 1 and int(upto[rows[0]]) > int(have[rows[0]]):
+            self._feed_row(cache, ctx, rows[0], int(upto[rows[0]]), model)
+        elif bool((upto > have).any()):
+            extend(model, cache, ctx.tokens, upto, need_logits=False)
+        cold = state.cold.clone()
+        cold[(upto >= goal).cpu() & torch.isin(torch.arange(len(cold)), torch.tensor(rows))] = False
+        state.cold = cold
+        return int((upto - have).sum())
+
+    @staticmethod
+    def _feed_row(cache: Cache, ctx: DraftContext, row: int, upto: int, model: CausalLM) -> None:
+        """Bring row `row` of the draft's cache to `upto` tokens, the row alone where the cache
+        can give one (its bits in any batch, with an invariant cache)."""
+        lengths = cache.lengths.clone()
+        lengths[row] = upto
+        if hasattr(cache, "row"):
+            one = cache.row(row)
+            extend(model, one, ctx.tokens[row : row + 1], lengths[row : row + 1], need_logits=False)
+            cache.lengths[row] = upto
+        else:
+            extend(model, cache, ctx.tokens, lengths, need_logits=False)
+
+    def _catch_up(self, state: DraftModelState, ctx: DraftContext) -> None:
+        """Rows CATCH_UP or more tokens behind (rounds in which the load-aware policy let nobody
+        draft) catch up through the prefill copy, a row at a time, instead of in the step's
+        format in one padded forward (measured on the pair at c = 4: 3 rows 13 tokens behind
+        took 0.32 s in the int4 step format). Never a seeded row sampled by the standard rule:
+        how far behind it falls depends on its batch mates, and its drafts' q must not."""
+        if self.prefill_model is None:
+            return
+        behind = (ctx.lengths - 1 - state.cache.lengths).cpu()
+        far = (behind >= CATCH_UP) & ~state.cold
+        if not bool(far.any()):
+            return
+        standard = _seeded_standard(ctx)
+        for b in torch.nonzero(far).flatten().tolist():
+            if not standard[b]:
+                self._feed_row(state.cache, ctx, b, int(ctx.lengths[b]) - 1, self.prefill_model)
 
     def save_prefix(self, state: DraftModelState, row: int, start: int):
         cache = state.cache
@@ -100,14 +180,30 @@ class DraftModelDrafter(Drafter):
     def propose(
         self, state: DraftModelState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
     ) -> Proposal:
-        logits, _ = extend(self.model, state.cache, ctx.tokens, ctx.lengths)  # [B, V]
+        self._catch_up(state, ctx)
+        if bool(state.cold.any()):
+            self.cold_lags(state, ctx)  # settles rows with nothing to catch up
+        cache, cold = state.cache, state.cold
+        held = cache.lengths.clone()  # a cold row keeps what it has (it drafts nothing)
+        any_cold = bool(cold.any())
+        lengths = torch.where(cold.to(held.device), held, ctx.lengths) if any_cold else ctx.lengths
+        logits, _ = extend(self.model, cache, ctx.tokens, lengths)  # [B, V]
         chain = DraftChain(ctx, limits, stop_below)
         for i in range(chain.width):
             tok, stopped = chain.draw(logits)
             if stopped or i == chain.width - 1:
                 break
-            logits = self.model.forward(tok.view(-1, 1), state.cache)[0][:, -1]
+            logits = self.model.forward(tok.view(-1, 1), cache)[0][:, -1]
+        if any_cold:
+            self._keep_cold(state, held)
         return chain.proposal()
+
+    @staticmethod
+    def _keep_cold(state: DraftModelState, held: torch.Tensor) -> None:
+        """Cold rows back to the tokens they held before the chain: what the chain's forwards
+        wrote after them is not theirs (their next tokens come from warm())."""
+        cache = state.cache
+        cache.rewind(torch.where(state.cold.to(held.device), held, cache.lengths))
 
     @torch.inference_mode()
     def propose_tree(self, state: DraftModelState, ctx: DraftContext, tree: TokenTree):
@@ -141,9 +237,11 @@ class DraftModelDrafter(Drafter):
 
     def select_rows(self, state: DraftModelState, rows: torch.Tensor) -> None:
         state.cache.select_rows(rows)
+        state.cold = state.cold[rows.cpu()]
 
     def add_rows(self, state: DraftModelState, new: DraftModelState) -> None:
         state.cache.add_rows(new.cache)
+        state.cold = torch.cat([state.cold, new.cold])
 
     def caches(self, state: DraftModelState) -> list:
         return [state.cache]

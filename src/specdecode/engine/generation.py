@@ -35,16 +35,18 @@ class Generation:
         policy=None,
         make_policy: Callable[[Generation], Any] | None = None,
         prefix: PrefixCache | None = None,
+        defer: list[bool] | None = None,
     ) -> None:
         """A batch of these prompts (token ids) under `spec`; the draft-length policy is
         `policy`, or make_policy(this run) once the rows exist (the optimal policy times them).
-        prefix: a PrefixCache to reuse earlier requests' keys and values from (and to fill)."""
+        prefix: a PrefixCache to reuse earlier requests' keys and values from (and to fill).
+        defer: per row, skip the draft model's prefill (Prefill); the row drafts once warm()ed."""
         self.spec, self.target, self.drafter = spec, spec.target, spec.drafter
         self.prefix = prefix
         self.outputs: list[RowOutput] = []
         self.round_no = 0
         with torch.inference_mode():
-            self.rows, self.cache, self.state = self._start(ids, params)
+            self.rows, self.cache, self.state = self._start(ids, params, defer)
             self.policy = policy if policy is not None else make_policy(self)
         self.policy.add_rows(self.rows.size)
 
@@ -52,8 +54,11 @@ class Generation:
     def _round(self) -> RoundEvent:
         rows, cache = self.rows, self.cache
         t0 = time.perf_counter()
-        # 1. each row's draft length, from its own past rounds
+        # 1. each row's draft length, from its own past rounds (none for a cold row: its draft
+        # model has not seen its prompt)
         limits = self.policy.next_k()
+        if self.drafter is not None and (lags := self.drafter.cold_lags(self.state, rows.context())):
+            limits = [0 if lag else k for k, lag in zip(limits, lags)]
         # 2. the drafter proposes: up to limits[b] tokens per row, or a token tree
         proposal = self._propose(limits)
         t1 = time.perf_counter()
@@ -161,14 +166,18 @@ class Generation:
         return [out.result(self.target.tokenizer) for out in self.outputs]
 
     def begin(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        defer: list[bool] | None = None,
     ):
         """Admit rows whose prefill runs in chunks between rounds: returns a Prefill; call its
         step(budget) between rounds until it is done, then join() it. Its rows have their ids
-        (indices in results()) from now on, but decode only once joined."""
+        (indices in results()) from now on, but decode only once joined. defer: as in the
+        constructor."""
         ids, plist = prepare(self.target, list(prompts), params)
         with torch.inference_mode():
-            prefill = self._begin(ids, plist)
+            prefill = self._begin(ids, plist, defer)
         if self.rows.size:  # the join will add these rows to the batch's caches: prepare them
             for old, new in zip(
                 self._caches(self.cache, self.state), self._caches(prefill.cache, prefill.state)
@@ -197,21 +206,36 @@ class Generation:
         self.policy.add_rows(rows.size)
         return list(rows.ids)
 
-    def _begin(self, ids: list[list[int]], params: list[SamplingParams]) -> Prefill:
+    def cold_rows(self) -> list[tuple[int, int]]:
+        """(row index, tokens its draft model lacks) of every cold row (see warm())."""
+        if self.drafter is None or self.rows.size == 0:
+            return []
+        lags = self.drafter.cold_lags(self.state, self.rows.context())
+        return [(b, lag) for b, lag in enumerate(lags or []) if lag]
+
+    def warm(self, rows: int | Sequence[int], budget: int | None = None) -> int:
+        """Feed cold rows' draft model up to `budget` each of the tokens they lack (None: all);
+        a row drafts again from the round after it has them all. Returns the tokens fed. The
+        server decides which rows are worth it (serve/loop.py)."""
+        rows = [rows] if isinstance(rows, int) else list(rows)
+        with torch.inference_mode():
+            return self.drafter.warm(self.state, self.rows.context(), rows, budget)
+
+    def _begin(self, ids: list[list[int]], params: list[SamplingParams], defer=None) -> Prefill:
         first = len(self.outputs)
         rows = Rows.new(
             list(range(first, first + len(ids))), ids, params, self.spec.width, self.target.device
         )
         self.spec.check_capacity(rows.tokens.shape[1])
-        prefill = Prefill(self.spec, rows, self.prefix)
+        prefill = Prefill(self.spec, rows, self.prefix, defer)
         self.outputs += [RowOutput(p, prefill.started) for p in params]
         prefill.outputs = self.outputs[first:]
         return prefill
 
-    def _start(self, ids: list[list[int]], params: list[SamplingParams]) -> tuple[Rows, Any, Any]:
+    def _start(self, ids: list[list[int]], params: list[SamplingParams], defer=None) -> tuple[Rows, Any, Any]:
         """Rows for these prompts with a target cache holding all but each pending token, and
         the drafter's state for them (the whole prefill at once)."""
-        prefill = self._begin(ids, params)
+        prefill = self._begin(ids, params, defer)
         prefill.step(None)
         return prefill.finish()
 

@@ -126,11 +126,16 @@ class SpeculativeGenerator:
         self,
         prompts: Sequence[Prompt] | Prompt,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        defer: list[bool] | None = None,
     ) -> Generation:
         """Start a batch: iterate the returned Generation for one RoundEvent per round (admit
-        more rows with its add()), then call its results()."""
+        more rows with its add()), then call its results(). defer: per row, skip the draft
+        model's prefill (the row drafts nothing until Generation.warm() feeds it; a server's
+        choice under load)."""
         ids, plist = prepare(self.target, prompts, params)
-        return Generation(self.spec, ids, plist, make_policy=self.new_policy, prefix=self.prefix_cache)
+        return Generation(
+            self.spec, ids, plist, make_policy=self.new_policy, prefix=self.prefix_cache, defer=defer
+        )
 
     def generate(
         self,

@@ -260,15 +260,20 @@ class OnlineCosts:
     server runs. R(B, w) = table(B, w) · c(bucket(B), w > 0), where c is a running estimate
     (exponentially weighted, weight `rate`) of observed / table seconds for the rounds of that
     batch-size bucket (powers of two) that drafted (w > 0) or did not (w = 0), starting from 1
-    and moved at most 3x by one round (a warm-up round or a pause does not flip decisions); `overhead` is the
-    running mean of the seconds each loop iteration spends outside the round (admission
-    prefills), which every round pays whatever it drafts. A cell last updated more than `stale`
-    observations ago is replaced by its next observation, so a probe after a slow spell resets
-    the estimate at once.
+    and moved at most 3x by one round (a warm-up round or a pause does not flip decisions). A
+    cell last updated more than `stale` observations ago is replaced by its next observation, so
+    a probe after a slow spell resets the estimate at once.
 
     Measured (benchmarks/NOTES.md, issue 28): the start-up table, timed on a repetitive prompt,
     calls break-even rounds that cost more in service (mixed lengths, the drafter's catch-up
-    forwards, stray prefill), so the policy drafted where it lost."""
+    forwards, stray prefill), so the policy drafted where it lost.
+
+    `overhead` is the running mean of the seconds each loop iteration spends outside the round
+    (admission prefills): reported (to_dict), never added to a round's cost. Prefill seconds are
+    paid per prompt token whatever the rounds draft, so a term added to every candidate only
+    makes a wide round look cheaper (a fixed cost shared by more tokens): measured on the pair at
+    c = 4 (NOTES, issue 37 fourth session), 3.6 s of prefill made the policy draft 4 tokens at
+    B = 4 in rounds of 0.54 s where a round without drafts costs 0.08 s."""
 
     def __init__(self, table: LoadCosts, rate: float = 0.25, stale: int = 32) -> None:
         self.table, self.rate, self.stale = table, rate, stale
@@ -282,7 +287,18 @@ class OnlineCosts:
         return 1 << max(0, int(batch) - 1).bit_length()
 
     def correction(self, batch: int, drafted: bool) -> float:
-        return self.ratio.get((self.bucket(batch), drafted), 1.0)
+        """observed / table for rounds of this bucket that drafted (or not). A kind not seen yet
+        borrows from the other: a drafting round holds a plain round's forward, so it is taken
+        to be at least as far over the table as plain rounds were (max(1, plain)), and a plain
+        round at most as far as drafting rounds were (min(1, drafting)). Measured: a server whose
+        rows never drafted at B = 3 learned plain rounds at 1.7x the table (longer contexts than
+        the table's), and a raw one-token round then looked cheaper than none."""
+        bucket = self.bucket(batch)
+        own = self.ratio.get((bucket, drafted))
+        if own is not None:
+            return own
+        other = self.ratio.get((bucket, not drafted), 1.0)
+        return max(1.0, other) if drafted else min(1.0, other)
 
     def record(self, batch: int, width: int, seconds: float, overhead: float = 0.0) -> None:
         """One finished round of `batch` rows drafting up to `width` tokens took `seconds`
@@ -306,8 +322,8 @@ class OnlineCosts:
     def at(self, batch: int) -> CostModel:
         base = self.table.at(batch)
         plain, drafting = self.correction(batch, False), self.correction(batch, True)
-        costs = {k: s * (drafting if k > 0 else plain) + self.overhead for k, s in base.round_s.items()}
-        return _Corrected(costs, batch, base, drafting, self.overhead)
+        costs = {k: s * (drafting if k > 0 else plain) for k, s in base.round_s.items()}
+        return _Corrected(costs, batch, base, drafting)
 
     def to_dict(self) -> dict:
         return {
@@ -323,12 +339,22 @@ class _Corrected(CostModel):
 
     base: CostModel | None = None
     drafting: float = 1.0
-    overhead: float = 0.0
 
     def round_cost(self, k: int) -> float:
         if k in self.round_s or self.base is None:
             return super().round_cost(k)
-        return self.base.round_cost(k) * self.drafting + self.overhead
+        return self.base.round_cost(k) * self.drafting
+
+
+def drafting_pays(costs: LoadCosts | OnlineCosts, batch: int, k: int, alpha: float = 0.9) -> bool:
+    """Would some draft length 1..k beat no drafting for `batch` rows that each accept `alpha`
+    of their drafts, at these round costs (the table, or the server's learned ones)? With the
+    default, optimistic alpha, False means drafting loses at this batch size with any drafter a
+    user would run: a server then skips the draft model's prefill of what it admits (loop.py)."""
+    cost = costs.at(batch)
+    plain = batch / cost.round_cost(0)
+    rates = (batch * expected_tokens_per_round(alpha, c) / cost.round_cost(c) for c in range(1, k + 1))
+    return any(rate > plain for rate in rates)
 
 
 class LoadAwarePolicy:
@@ -394,6 +420,11 @@ class LoadAwarePolicy:
         0.5 made a weak drafter look worth drafting for at every load)."""
         pooled = (self.pool[1] + 1) / (self.pool[0] + 2)
         return min((row[1] + 2 * pooled) / (row[0] + 2), 0.999999)
+
+    def pooled_alpha(self) -> float | None:
+        """The acceptance of every row this policy has seen, once `min_tests` draft tokens were
+        tested (None before)."""
+        return (self.pool[1] + 1) / (self.pool[0] + 2) if self.pool[0] >= self.min_tests else None
 
     def next_k(self) -> list[int]:
         ks = self.inner.next_k()

@@ -34,7 +34,13 @@ def prefix_capable(spec, cache) -> bool:
 class Prefill:
     """Rows admitted but not decoding yet; see the module docstring."""
 
-    def __init__(self, spec, rows: Rows, prefix: PrefixCache | None = None) -> None:
+    def __init__(
+        self, spec, rows: Rows, prefix: PrefixCache | None = None, defer: list[bool] | None = None
+    ) -> None:
+        """defer: per row, skip the draft model's prefill (a drafter that prefills_own, chains
+        only; never a seeded row sampled by the standard rule): the row joins cold and drafts
+        nothing until the drafter's warm() feeds it (a server deferring where drafting does not
+        pay at its load; see serve/loop.py)."""
         self.started = time.perf_counter()
         self.spec, self.rows = spec, rows
         self.cache = spec.new_cache(rows.size, rows.tokens.shape[1])
@@ -43,6 +49,8 @@ class Prefill:
         self.goal = rows.lengths - 1  # every prompt token but the pending one is cached
         self.prefix = prefix if prefix is not None and prefix_capable(spec, self.cache) else None
         self.reused = [0] * rows.size  # prompt tokens each row took from the prefix cache
+        # of those, the tokens whose drafter state came back too (a draft model's keys and values)
+        self.draft_reused = torch.zeros_like(self.cache.lengths)
         self.outputs: list = []  # the rows' RowOutputs (set by the Generation)
         if self.prefix is not None:
             self._reuse()
@@ -52,15 +60,22 @@ class Prefill:
         # together (a prompt that fits the budget takes one step of both, as it would whole);
         # None: it follows each target chunk at once
         self.drafted: torch.Tensor | None = None
+        self.deferred = torch.zeros(rows.size, dtype=torch.bool, device=self.cache.lengths.device)
         if self.drafter is not None and self.drafter.prefills_own:
-            keeps = self.drafter.keeps_prefix and self.prefix is not None
-            self.drafted = self.cache.lengths.clone() if keeps else torch.zeros_like(self.cache.lengths)
+            self.drafted = self.draft_reused.clone()
+            if defer is not None and spec.tree is None:
+                # never a seeded row sampled by the standard rule: its drafts decide its text
+                free = [
+                    d and not (p.seed is not None and p.temperature > 0 and not p.keyed)
+                    for d, p in zip(defer, rows.params)
+                ]
+                self.deferred = torch.tensor(free, dtype=torch.bool, device=self.cache.lengths.device)
         self._draft_turn = False
 
     @property
     def done(self) -> bool:
         target = bool((self.cache.lengths >= self.goal).all())
-        return target and (self.drafted is None or bool((self.drafted >= self.goal).all()))
+        return target and (self.drafted is None or bool((self.deferred | (self.drafted >= self.goal)).all()))
 
     @property
     def remaining(self) -> int:
@@ -69,15 +84,22 @@ class Prefill:
 
     def _reuse(self) -> None:
         keeps = self.drafter is not None and self.drafter.keeps_prefix
+        # a drafter that prefills on its own (a draft model) takes the target's blocks as far as
+        # they go and its own state as far as they carry it, then feeds itself the rest; any
+        # other keeper (EAGLE features) needs its state in every block it takes
+        own = keeps and self.drafter.prefills_own
         needs_hidden = self.spec.needs.hidden
         for b in range(self.rows.size):
             n = int(self.goal[b])
             tokens = self.rows.tokens[b, :n].tolist()
-            blocks = self.prefix.match(tokens, n - 1 if needs_hidden else n, drafter_state=keeps)
+            blocks = self.prefix.match(tokens, n - 1 if needs_hidden else n, drafter_state=keeps and not own)
+            carried = True
             for i, block in enumerate(blocks):
                 self.cache.write_block(b, i * BLOCK, block.k, block.v)
-                if keeps:
+                carried = carried and keeps and block.drafter is not None
+                if carried:
                     self.drafter.load_prefix(self.state, b, i * BLOCK, block.drafter)
+                    self.draft_reused[b] = (i + 1) * BLOCK
             self.cache.lengths[b] = len(blocks) * BLOCK
             self.reused[b] = len(blocks) * BLOCK
 
@@ -91,7 +113,7 @@ class Prefill:
             self._draft_step(None)
             return fed
         if self.drafted is not None:
-            lags = bool((self.drafted < self.cache.lengths).any())
+            lags = bool(((self.drafted < self.cache.lengths) & ~self.deferred).any())
             if not lags and self.remaining <= budget:  # the rest fits: both in this step
                 fed = self._target_step(budget)
                 self._draft_step(None)
@@ -108,7 +130,7 @@ class Prefill:
         """Bring the draft model's cache up to `budget` tokens nearer the target's."""
         if self.drafted is None:
             return
-        todo = (self.cache.lengths - self.drafted).clamp(min=0)
+        todo = torch.where(self.deferred, 0, (self.cache.lengths - self.drafted).clamp(min=0))
         if budget is not None:
             todo = torch.minimum(todo, (budget - (torch.cumsum(todo, 0) - todo)).clamp(min=0))
         if int(todo.sum()):
@@ -164,6 +186,8 @@ class Prefill:
         if self.prefix is not None:
             for b in range(self.rows.size):
                 remember(self.prefix, self.spec, self.rows, self.cache, self.state, b)
+        if bool(self.deferred.any()):
+            self.drafter.defer(self.state, [b for b, d in enumerate(self.deferred.tolist()) if d])
         return self.rows, self.cache, self.state
 
 

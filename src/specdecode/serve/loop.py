@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..core.sampling import SamplingParams
 from ..engine import Generation, Prefill, SpeculativeGenerator
+from ..engine.policy import drafting_pays
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -207,7 +208,7 @@ class EngineLoop:
             prompts = [r.prompt_ids for r in batch for _ in r.params]
             params = [p for r in batch for p in r.params]
             try:
-                self.run = self.gen.stream(prompts, params)
+                self.run = self.gen.stream(prompts, params, defer=self._defer(params, len(params)))
             except Exception as e:  # noqa: BLE001 — e.g. out of memory on a long prompt
                 for r in batch:
                     self._refuse(r, e)
@@ -217,17 +218,77 @@ class EngineLoop:
                 self._joined(r, [next(it) for _ in r.params])
             self._prefix_metrics()
             return
+        # the batch these rows will decode in: the running rows, those being admitted, and these
+        rows = len(self.running) + sum(len(r.params) for r, _ in self.prefilling)
+        rows += sum(len(r.params) for r in batch)
         for r in batch:
             try:
-                self.prefilling.append((r, self.run.begin([r.prompt_ids] * len(r.params), r.params)))
+                defer = self._defer(r.params, rows)
+                self.prefilling.append((r, self.run.begin([r.prompt_ids] * len(r.params), r.params, defer)))
                 self.requests.add(r)
             except Exception as e:  # noqa: BLE001
                 self._refuse(r, e)
 
+    def _defer(self, params: list, batch: int) -> list[bool] | None:
+        """Rows admitted into a batch of `batch` rows skip the draft model's prefill when drafting
+        would not pay at that size even at 90% acceptance (_pays, at the round costs the
+        load-aware policy reads): the policy would not let them draft, and a plain server never
+        pays that prefill. (Not the acceptance seen so far: rows that never draft would never
+        show a better one, and a server could stay off for good after a bad spell.)
+        Never a seeded row sampled by the standard rule (its drafts decide its text, so they
+        must not depend on the load). None: every row prefills as usual."""
+        gen = self.gen
+        drafter, costs = gen.drafter, getattr(gen, "load_costs", None)
+        if drafter is None or costs is None or not drafter.prefills_own or gen.spec.tree is not None:
+            return None
+        if self._pays(batch):
+            return None
+        defer = [not (p.seed is not None and p.temperature > 0 and not p.keyed) for p in params]
+        self.metrics.deferred_rows.inc(sum(defer))
+        return defer if any(defer) else None
+
+    def _pays(self, batch: int, seen: bool = False) -> bool:
+        """Drafting pays for a batch of `batch` rows at the learned round costs, if the rows
+        accept 90% of their drafts, or (seen) the share they have accepted so far (90% before
+        enough were tested)."""
+        alpha = None
+        if seen:
+            pooled = getattr(getattr(self.run, "policy", None), "pooled_alpha", None)
+            alpha = pooled() if pooled is not None else None
+        return drafting_pays(self.gen.load_costs, batch, self.gen.k, 0.9 if alpha is None else alpha)
+
+    def _warm(self, budget: int | None) -> int:
+        """Feed deferred rows' draft models once drafting pays at the running batch's size and
+        the acceptance seen so far, each row only if it has at least as many tokens still to
+        generate as it must catch up (so the catch-up is paid back); at most `budget` tokens.
+        Returns the tokens fed."""
+        run, gen = self.run, self.gen
+        costs = getattr(gen, "load_costs", None)
+        if run is None or costs is None or not self.running:
+            return 0
+        cold = run.cold_rows()
+        if not cold or not self._pays(len(self.running), seen=True):
+            return 0
+        fed = 0
+        for b, lag in cold:
+            out = run.outputs[run.rows.ids[b]]
+            if out.params.max_new_tokens - len(out.tokens) < lag:
+                continue
+            n = run.warm(b, None if budget is None else budget - fed)
+            fed += n
+            if n >= lag:
+                self.metrics.warmed_rows.inc()
+            if budget is not None and fed >= budget:
+                break
+        return fed
+
     def _prefill(self) -> None:
         """Feed the admitted prompts, the oldest first: all of them when no row is decoding (or
-        chunking is off), else at most the iteration's token budget less the running rows'."""
+        chunking is off), else at most the iteration's token budget less the running rows'; then
+        deferred rows' draft models, when they are worth it (_warm)."""
         if not self.prefilling:
+            if self.running:
+                self._warm(self._chunk_budget())
             return
         budget = self._chunk_budget() if self.running else None
         for req, prefill in list(self.prefilling):
@@ -249,6 +310,8 @@ class EngineLoop:
                 budget -= fed
                 if budget <= 0:
                     break
+        if budget is None or budget > 0:
+            self._warm(budget)
         self._prefix_metrics()
 
     def _chunk_budget(self) -> int | None:

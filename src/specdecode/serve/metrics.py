@@ -73,6 +73,14 @@ class Metrics:
         self.prefill_tokens = Counter(
             P + "prefill_tokens", "Prompt tokens prefilled (not taken from the prefix cache)", registry=r
         )
+        self.deferred_rows = Counter(
+            P + "draft_deferred_rows",
+            "Rows admitted without the draft model's prefill (drafting did not pay at that load)",
+            registry=r,
+        )
+        self.warmed_rows = Counter(
+            P + "draft_warmed_rows", "Deferred rows whose draft model was fed later, to draft", registry=r
+        )
         self.round_cost = Gauge(
             P + "round_cost_correction",
             "Learned round cost / start-up table, for rounds that draft (1: as measured at start)",
