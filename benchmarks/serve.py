@@ -13,7 +13,8 @@ Four scenarios (OUT/serve-bench.json, .md and .png):
   chat requests until the run's requests are done, `--reps` times. Speculation off is served
   twice by two separate servers ("none" and "none (again)"): the spread between the two is the
   noise each speed-up is read against. Speed-up: the median tokens/s of the reps over the
-  median of "none" at the same run.
+  median of "none" at the same run. `--interleave` starts every server at once and runs each
+  rep on all of them in turn, so a machine whose speed drifts during the run shifts them alike.
 - multiturn: 8 conversations x 4 turns, one after another (each turn's prompt holds the earlier
   turns and answers), against the default method's server with the prefix cache on, then off:
   TTFT per turn, the turn-k TTFT with the cache over the same prompt's without, and whether the
@@ -323,36 +324,57 @@ def load_scenario(args, sets: dict[str, list[str]]) -> dict:
                 raise SystemExit(f"not enough unused {s} prompts for {len(runs)} runs x {args.reps} reps")
             chosen[s, c, rep] = fresh[:n]
             used.update(fresh[:n])
-    for label in methods:
-        print(f"[load] {label}: starting the server", file=sys.stderr, flush=True)
-        server = start(args, label, args.out)
-        out = res["results"][label] = {}
+    reps_of: dict[str, dict[tuple[str, int], list[dict]]] = {label: {} for label in methods}
+
+    def measure(label: str, server, s: str, c: int, rep: int) -> None:
+        n = args.requests or max(c, 4)
+        r = load_run(server.port, chosen[s, c, rep], c, n, args.max_tokens, offset=0)
+        reps_of[label].setdefault((s, c), []).append(r)
+        print(
+            f"[load] {label} {s} c={c} rep {rep + 1}: {r['tokens_per_s']:.2f} tokens/s, errors {r['errors']}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    if args.interleave:  # every server up at once; each rep of a run visits them in turn
+        servers = {}
         try:
-            load_run(server.port, warm, 2, 4, 16, 0)  # warm-up
+            for label in methods:
+                print(f"[load] {label}: starting the server", file=sys.stderr, flush=True)
+                servers[label] = start(args, label, args.out)
+                load_run(servers[label].port, warm, 2, 4, 16, 0)  # warm-up
             for s, c in runs:
-                n = args.requests or max(c, 4)
-                reps = []
                 for rep in range(args.reps):
-                    r = load_run(server.port, chosen[s, c, rep], c, n, args.max_tokens, offset=0)
-                    reps.append(r)
-                    print(
-                        f"[load] {label} {s} c={c} rep {rep + 1}: {r['tokens_per_s']:.2f} tokens/s, "
-                        f"errors {r['errors']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                out[f"{s} c={c}"] = {
-                    "tokens_per_s": [r["tokens_per_s"] for r in reps],
-                    "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
-                    "errors": sum(r["errors"] for r in reps),
-                    "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in reps),
-                    "latency_p50_s": statistics.median(r["latency_p50_s"] for r in reps),
-                    "tokens_per_forward": reps[-1]["tokens_per_forward"],
-                    "acceptance": reps[-1]["acceptance"],
-                    "texts": [r["texts"] for r in reps],
-                }
+                    for label in methods:
+                        measure(label, servers[label], s, c, rep)
         finally:
-            server.stop()
+            for server in servers.values():
+                server.stop()
+    else:
+        for label in methods:
+            print(f"[load] {label}: starting the server", file=sys.stderr, flush=True)
+            server = start(args, label, args.out)
+            try:
+                load_run(server.port, warm, 2, 4, 16, 0)  # warm-up
+                for s, c in runs:
+                    for rep in range(args.reps):
+                        measure(label, server, s, c, rep)
+            finally:
+                server.stop()
+    for label in methods:
+        out = res["results"][label] = {}
+        for s, c in runs:
+            reps = reps_of[label][s, c]
+            out[f"{s} c={c}"] = {
+                "tokens_per_s": [r["tokens_per_s"] for r in reps],
+                "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
+                "errors": sum(r["errors"] for r in reps),
+                "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in reps),
+                "latency_p50_s": statistics.median(r["latency_p50_s"] for r in reps),
+                "tokens_per_forward": reps[-1]["tokens_per_forward"],
+                "acceptance": reps[-1]["acceptance"],
+                "texts": [r["texts"] for r in reps],
+            }
     # speed-ups against the first speculation-off server; the noise: the second one's ratio
     for run in res["runs"]:
         off = res["results"]["none"][run]
@@ -630,6 +652,9 @@ def chunked_scenario(args, sets: dict[str, list[str]]) -> dict:
 # -- report ----------------------------------------------------------------------------------------
 
 
+INTERLEAVED = " (servers interleaved: every rep visits each server in turn)"
+
+
 def markdown(res: dict) -> str:
     lines = [
         f"# `specdecode serve` under load: {res['target']}" + (f" + {res['draft']}" if res["draft"] else ""),
@@ -648,7 +673,8 @@ def markdown(res: dict) -> str:
             "",
             "## Load",
             "",
-            f"Median of {res['reps']} runs (tokens/s of completion tokens over wall time); speed-up over "
+            f"Median of {res['reps']} runs{INTERLEAVED if res.get('interleave') else ''}"
+            " (tokens/s of completion tokens over wall time); speed-up over "
             "speculation off at the same run; noise: how far a second, identical speculation-off server "
             "lands from the first (|ratio − 1|).",
             "",
@@ -782,6 +808,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="load: start every server at once and let each rep visit them in turn (a machine whose "
+        "speed drifts over a long run then shifts them alike; needs the memory of all servers)",
+    )
     ap.add_argument("--k", type=int, default=0, help="draft length (default: the server's)")
     ap.add_argument(
         "--multiturn-method", default="auto", help="the method of the multiturn and chunked servers"
@@ -834,6 +866,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "k": args.k,
         "reps": args.reps,
+        "interleave": args.interleave,
         "threads": torch.get_num_threads(),
     }
     targets = []
