@@ -634,23 +634,33 @@ def small_vocab(vocab16_dirs):
 
 
 def load_aware_pairs(small_vocab, prompt):
+    """Two tokens per row at T = 1, unseeded, under a cost table that flips the load-aware cap
+    inside the run; every other row admitted without the draft model's prefill (a server's
+    deferral: it drafts nothing in its first round) and warmed after it, so its second token is
+    drafted from a draft model that caught up."""
     target, draft = small_vocab
     gen = SpeculativeGenerator(target, draft, k=2, load_costs=FLIPPING)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)  # unseeded: capped
-    run = gen.stream([prompt] * RUNS, params)
-    caps = []
+    run = gen.stream([prompt] * RUNS, params, defer=[i % 2 == 0 for i in range(RUNS)])
+    first = next(run)
+    caps = [run.policy.cap]
+    cold = [b for b, _ in run.cold_rows()]
+    drafted_cold = int(first.verdict.draft_lengths[::2].sum())
+    run.warm(cold)
     for _ in run:
         caps.append(run.policy.cap)
     results = run.results()
     V = target.vocab_size
-    return np.array([r.token_ids[0] * V + r.token_ids[1] for r in results]), caps
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    return pairs, caps, len(cold), drafted_cold
 
 
 @pytest.mark.heavy
-def test_load_aware_policy_keeps_the_two_token_distribution(small_vocab):
+def test_load_aware_policy_and_deferred_rows_keep_the_two_token_distribution(small_vocab):
     prompt = [5, 9, 2]
-    pairs, caps = load_aware_pairs(small_vocab, prompt)
+    pairs, caps, cold, drafted_cold = load_aware_pairs(small_vocab, prompt)
     assert caps[0] == 2 and caps[-1] == 0  # the cap really changed inside the run
+    assert cold > RUNS // 3 and drafted_cold == 0  # most deferred rows were still running, cold
     ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
     assert ok, msg
 
@@ -659,42 +669,7 @@ def test_load_aware_policy_keeps_the_two_token_distribution(small_vocab):
 def test_load_aware_two_token_check_catches_resampling_from_p(small_vocab, monkeypatch):
     resample_from_p_after_rejection(monkeypatch)
     prompt = [5, 9, 2]
-    pairs, _ = load_aware_pairs(small_vocab, prompt)
-    ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
-    assert not ok, msg
-
-
-def deferred_pairs(small_vocab, prompt):
-    """Two tokens per row at T = 1, unseeded: every other row admitted without the draft
-    model's prefill (drafting nothing in its first round), warmed after it, so its second token
-    is drafted from a draft model that caught up."""
-    target, draft = small_vocab
-    gen = SpeculativeGenerator(target, draft, k=2)
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
-    run = gen.stream([prompt] * RUNS, params, defer=[i % 2 == 0 for i in range(RUNS)])
-    first = next(run)
-    cold = [b for b, _ in run.cold_rows()]
-    drafted_cold = int(first.verdict.draft_lengths[::2].sum())
-    run.warm(cold)
-    results = run.results()
-    V = target.vocab_size
-    return np.array([r.token_ids[0] * V + r.token_ids[1] for r in results]), len(cold), drafted_cold
-
-
-@pytest.mark.heavy
-def test_rows_deferred_then_warmed_keep_the_two_token_distribution(small_vocab):
-    prompt = [5, 9, 2]
-    pairs, cold, drafted_cold = deferred_pairs(small_vocab, prompt)
-    assert cold > RUNS // 3 and drafted_cold == 0  # most deferred rows were still running, cold
-    ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
-    assert ok, msg
-
-
-@pytest.mark.heavy
-def test_deferred_two_token_check_catches_resampling_from_p(small_vocab, monkeypatch):
-    resample_from_p_after_rejection(monkeypatch)
-    prompt = [5, 9, 2]
-    pairs, _, _ = deferred_pairs(small_vocab, prompt)
+    pairs, _, _, _ = load_aware_pairs(small_vocab, prompt)
     ok, msg = check_distribution(pairs, two_token_joint(small_vocab[0], prompt))
     assert not ok, msg
 
