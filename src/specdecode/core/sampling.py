@@ -96,6 +96,13 @@ class SamplingParams:
         (a greedy row is the same under both rules)."""
         return self.sampling_rule == "invariant" and self.temperature > 0
 
+    @property
+    def drafts_decide(self) -> bool:
+        """Seeded and sampled by the standard rule: its draft lengths and draft probabilities
+        decide which uniforms it draws, so its text depends on them (nothing that depends on the
+        load may change them: the load-aware cap, a deferred draft prefill)."""
+        return self.seed is not None and self.temperature > 0 and not self.keyed
+
 
 @dataclass(frozen=True)
 class Warp:

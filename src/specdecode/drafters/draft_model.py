@@ -132,7 +132,9 @@ class DraftModelDrafter(Drafter):
         elif bool((upto > have).any()):
             extend(model, cache, ctx.tokens, upto, need_logits=False)
         cold = state.cold.clone()
-        cold[(upto >= goal).cpu() & torch.isin(torch.arange(len(cold)), torch.tensor(rows))] = False
+        for b in rows:
+            if int(upto[b]) >= int(goal[b]):
+                cold[b] = False
         state.cold = cold
         return int((upto - have).sum())
 

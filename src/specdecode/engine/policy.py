@@ -431,7 +431,7 @@ class LoadAwarePolicy:
         if not ks:
             return ks
         params = self.params_of()
-        exempt = [p.seed is not None and p.temperature > 0 and not p.keyed for p in params]
+        exempt = [p.drafts_decide for p in params]
         cost = self.costs.at(len(ks))
         alphas = [self.alpha(row) for row in self.rows]
         if self.pool[0] < self.min_tests:  # explore: a few rejections must not decide

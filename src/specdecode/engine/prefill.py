@@ -65,10 +65,7 @@ class Prefill:
             self.drafted = self.draft_reused.clone()
             if defer is not None and spec.tree is None:
                 # never a seeded row sampled by the standard rule: its drafts decide its text
-                free = [
-                    d and not (p.seed is not None and p.temperature > 0 and not p.keyed)
-                    for d, p in zip(defer, rows.params)
-                ]
+                free = [d and not p.drafts_decide for d, p in zip(defer, rows.params)]
                 self.deferred = torch.tensor(free, dtype=torch.bool, device=self.cache.lengths.device)
         self._draft_turn = False
 

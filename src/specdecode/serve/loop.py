@@ -243,7 +243,7 @@ class EngineLoop:
             return None
         if self._pays(batch):
             return None
-        defer = [not (p.seed is not None and p.temperature > 0 and not p.keyed) for p in params]
+        defer = [not p.drafts_decide for p in params]
         self.metrics.deferred_rows.inc(sum(defer))
         return defer if any(defer) else None
 
