@@ -154,6 +154,34 @@ def test_rows_joining_through_free_slots_and_grown_storage_equal_each_row_alone(
 KEYED = SamplingParams(temperature=1.0, max_new_tokens=20, seed=7, ignore_eos=True, sampling_rule="invariant")
 
 
+def test_a_defer_function_is_asked_the_draft_lag_left_after_the_prefix_cache_and_draft_prefill_is_timed(
+    pair_dir,
+):
+    """defer may be a function of (row, lag): it is asked once the prefix cache gave what it
+    holds, so a prompt seen before (its blocks carry the draft model's state) costs the draft
+    only the tokens past them; rows it defers run cold. The draft's own prefill seconds and
+    tokens are counted (the server's payback rule divides them)."""
+    target, draft = (load(d, dtype=torch.float32) for d in pair_dir)  # invariant: not fp64
+    gen = SpeculativeGenerator(target, draft=draft, k=3, batch_invariant=True)
+    gen.enable_prefix_cache(1 << 20)
+    prompt = [(5 * j + 1) % 64 for j in range(40)]
+    other = [(3 * j + 2) % 64 for j in range(40)]
+    alone = gen.generate([prompt, other], GREEDY)
+    asked = []
+
+    def defer(row: int, lag: int) -> bool:
+        asked.append((row, lag))
+        return row == 1
+
+    run = gen.stream([prompt, [9, 8, 7, 6, 5]], GREEDY, defer=defer)
+    # the first prompt's 39 cached tokens: two 16-token blocks come back with the draft's state
+    assert asked == [(0, 39 - 32), (1, 4)]
+    assert run.cold_rows() == [(1, 4)]
+    assert run.draft_prefill[1] == 39 - 32 and run.draft_prefill[0] > 0
+    assert run.warm(1) == 4 and run.draft_prefill[1] == 7 + 4
+    assert [r.token_ids for r in run.results()][0] == alone[0].token_ids
+
+
 @pytest.mark.parametrize("name", ["draft-fixed", "draft-heuristic"])
 def test_deferred_rows_draft_nothing_until_warmed_then_give_the_tokens_of_each_row_alone(models, name):
     """A row admitted without the draft model's prefill (a server under load: defer) proposes

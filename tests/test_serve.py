@@ -834,6 +834,76 @@ def test_a_server_under_load_skips_the_draft_models_prefill_and_warms_a_row_left
     assert jobs[2].choices[0].stats.drafted > 0
 
 
+def test_seconds_saved_per_token_is_the_plain_round_less_the_best_drafting_rounds_time_per_token():
+    """R(0) - min_c R(c) / tau(alpha, c), never below 0; drafting pays exactly where it is > 0."""
+    from specdecode.engine.policy import drafting_pays, seconds_saved_per_token
+
+    costs = LoadCosts({1: {0: 1.0, 1: 1.2, 4: 2.0}})
+    # alpha 0.5: tau(1) = 1.5, tau(4) = 1.9375 -> 1.2 / 1.5 = 0.8 beats 2.0 / 1.9375
+    assert seconds_saved_per_token(costs, 1, 4, 0.5) == pytest.approx(1.0 - 0.8)
+    # alpha 0.9: tau(4) = 4.0951 -> 2.0 / 4.0951 = 0.488 beats 1.2 / 1.9 = 0.632
+    assert seconds_saved_per_token(costs, 1, 4, 0.9) == pytest.approx(1.0 - 2.0 / 4.0951)
+    assert seconds_saved_per_token(costs, 1, 4, 0.1) == 0.0  # 1.2 / 1.1 > 1.0: no length pays
+    for alpha in (0.1, 0.5, 0.9):
+        assert drafting_pays(costs, 1, 4, alpha) == (seconds_saved_per_token(costs, 1, 4, alpha) > 0)
+
+
+def test_a_server_skips_the_draft_prefill_a_short_answer_would_not_pay_back(chat_target):
+    """Where drafting pays at the batch's size, a row's draft model prefills its prompt only if
+    the tokens to come, times the seconds drafting saves a token, exceed that prefill's cost
+    (prompt tokens times the measured seconds per draft-prefill token, pinned here): a 40-token
+    answer drafts, a 3-token answer on the same prompt skips the draft's prefill (counted) and
+    drafts nothing, and the same short answer drafts once prefilling looks cheap. Greedy answers
+    equal speculation off. The loop is stepped here, no thread."""
+    import asyncio
+
+    gen = make_gen(chat_target)
+    gen.load_costs = LoadCosts({1: {0: 1.0, 1: 0.8, 4: 1.0}})  # "seconds": drafting pays at B = 1
+    metrics = Metrics()
+    loop = EngineLoop(gen, metrics, max_batch=8)
+    prompt = gen.target.tokenizer.encode("天下大势，分久必合，合久必分")
+    runs = []
+    for max_tokens, draft_token_s in ((40, 1.0), (3, 1.0), (3, 1e-6)):
+        params = SamplingParams(temperature=0, max_new_tokens=max_tokens, ignore_eos=True)
+        job = Job(prompt, [params], asyncio.new_event_loop())
+        loop.submit(job)
+        loop.draft_token_s = draft_token_s  # what the loop would have measured
+        loop.answer_tokens = None
+        loop._alpha = lambda seen: 0.9  # the acceptance seen, pinned: drafting saves 0.76 s a token
+        deferred = metric_value(metrics, "draft_deferred_rows")
+        while not job.done:
+            loop._admit()
+            loop._prefill()
+            if loop.running:
+                loop._round()
+        runs.append((job, metric_value(metrics, "draft_deferred_rows") - deferred))
+        off = SpeculativeGenerator(gen.target, batch_invariant=True).generate([prompt], params)
+        assert job.choices[0].tokens == off[0].token_ids
+    lag = len(prompt) - 1  # every prompt token but the pending one, at 1 "second" each
+    assert 40 * 0.75 > lag > 3 * 0.77  # so the rule must tell the first two apart
+    (long, long_deferred), (short, short_deferred), (cheap, cheap_deferred) = runs
+    assert long_deferred == 0 and long.choices[0].stats.drafted > 0
+    assert short_deferred == 1 and short.choices[0].stats.drafted == 0
+    assert cheap_deferred == 0 and cheap.choices[0].stats.drafted > 0
+
+
+def test_the_payback_rule_lets_every_ninth_row_draft_where_drafting_saves_nothing_at_the_seen_acceptance(
+    chat_target,
+):
+    """With the acceptance seen so far too low for any draft length to pay, rows skip the draft's
+    prefill, but one admission in EXPLORE + 1 prefills anyway (explore), so a server whose rows
+    all skipped still measures the acceptance again; a warm-up asked without explore never does."""
+    gen = make_gen(chat_target)
+    gen.load_costs = LoadCosts({1: {0: 1.0, 1: 1.5, 4: 3.0}})
+    loop = EngineLoop(gen, Metrics(), max_batch=8)
+    loop.draft_token_s = 0.01
+    loop._alpha = lambda seen: 0.0 if seen else 0.9
+    params = SamplingParams(temperature=0, max_new_tokens=100)
+    asked = [loop._worth(params, 10, 0, 1, explore=True) for _ in range(2 * (loop.EXPLORE + 1))]
+    assert asked == ([False] * loop.EXPLORE + [True]) * 2
+    assert not any(loop._worth(params, 10, 0, 1) for _ in range(3 * loop.EXPLORE))
+
+
 def metric_value(metrics: Metrics, name: str) -> float:
     from prometheus_client import generate_latest
 

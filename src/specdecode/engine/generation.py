@@ -16,7 +16,7 @@ from ..core.sampling import SamplingParams
 from ..errors import SpecDecodeError
 from .emit import GenerationResult, RoundEvent, RowOutput, emit, token_logprobs
 from .policy import RoundOutcome
-from .prefill import Prefill, remember
+from .prefill import Defer, Prefill, remember
 from .prefix import PrefixCache
 from .rows import Rows
 from .speculation import Prompt, Speculation, prepare
@@ -35,7 +35,7 @@ class Generation:
         policy=None,
         make_policy: Callable[[Generation], Any] | None = None,
         prefix: PrefixCache | None = None,
-        defer: list[bool] | None = None,
+        defer: Defer = None,
     ) -> None:
         """A batch of these prompts (token ids) under `spec`; the draft-length policy is
         `policy`, or make_policy(this run) once the rows exist (the optimal policy times them).
@@ -45,6 +45,8 @@ class Generation:
         self.prefix = prefix
         self.outputs: list[RowOutput] = []
         self.round_no = 0
+        # the draft model's own prefill of every admission and warm(): [seconds, tokens fed]
+        self.draft_prefill = [0.0, 0]
         with torch.inference_mode():
             self.rows, self.cache, self.state = self._start(ids, params, defer)
             self.policy = policy if policy is not None else make_policy(self)
@@ -169,7 +171,7 @@ class Generation:
         self,
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        defer: list[bool] | None = None,
+        defer: Defer = None,
     ):
         """Admit rows whose prefill runs in chunks between rounds: returns a Prefill; call its
         step(budget) between rounds until it is done, then join() it. Its rows have their ids
@@ -194,6 +196,7 @@ class Generation:
         slots of the batch's caches, or into storage begin() staged); their ids."""
         if not prefill.done:
             raise SpecDecodeError("this admission's prefill is not done; step() it until done")
+        self._count_draft_prefill(prefill)
         with torch.inference_mode():
             rows, cache, state = prefill.finish()
             if self.rows.size == 0:
@@ -218,8 +221,17 @@ class Generation:
         a row drafts again from the round after it has them all. Returns the tokens fed. The
         server decides which rows are worth it (serve/loop.py)."""
         rows = [rows] if isinstance(rows, int) else list(rows)
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            return self.drafter.warm(self.state, self.rows.context(), rows, budget)
+            fed = self.drafter.warm(self.state, self.rows.context(), rows, budget)
+        if fed:
+            self.draft_prefill[0] += time.perf_counter() - t0
+            self.draft_prefill[1] += fed
+        return fed
+
+    def _count_draft_prefill(self, prefill: Prefill) -> None:
+        self.draft_prefill[0] += prefill.draft_s
+        self.draft_prefill[1] += prefill.draft_fed
 
     def _begin(self, ids: list[list[int]], params: list[SamplingParams], defer=None) -> Prefill:
         first = len(self.outputs)
@@ -237,6 +249,7 @@ class Generation:
         the drafter's state for them (the whole prefill at once)."""
         prefill = self._begin(ids, params, defer)
         prefill.step(None)
+        self._count_draft_prefill(prefill)
         return prefill.finish()
 
     def _retire(self, keep: list[int]) -> None:

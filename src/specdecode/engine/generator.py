@@ -14,6 +14,7 @@ from ..models.base import CausalLM
 from .emit import GenerationResult
 from .generation import Generation
 from .policy import CostModel, LoadAwarePolicy, LoadCosts, OnlineCosts, make_policy
+from .prefill import Defer
 from .prefix import PrefixCache
 from .speculation import Prompt, build, encode, prepare
 
@@ -126,7 +127,7 @@ class SpeculativeGenerator:
         self,
         prompts: Sequence[Prompt] | Prompt,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        defer: list[bool] | None = None,
+        defer: Defer = None,
     ) -> Generation:
         """Start a batch: iterate the returned Generation for one RoundEvent per round (admit
         more rows with its add()), then call its results(). defer: per row, skip the draft

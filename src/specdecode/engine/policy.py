@@ -346,15 +346,27 @@ class _Corrected(CostModel):
         return self.base.round_cost(k) * self.drafting
 
 
+def seconds_saved_per_token(
+    costs: LoadCosts | OnlineCosts, batch: int, k: int, alpha: float = 0.9
+) -> float:
+    """Seconds one row's token costs less with drafts than without, in a batch of `batch` rows
+    that each accept `alpha` of their drafts: R(0) - min over c in 1..k of R(c) / tau(alpha, c),
+    at these round costs (each row gets one token per plain round, tau per drafting round); 0
+    where no draft length beats none. What a row's draft-model prefill must be paid back from."""
+    if k < 1:
+        return 0.0
+    cost = costs.at(batch)
+    plain = cost.round_cost(0)
+    best = min(cost.round_cost(c) / expected_tokens_per_round(alpha, c) for c in range(1, k + 1))
+    return max(0.0, plain - best)
+
+
 def drafting_pays(costs: LoadCosts | OnlineCosts, batch: int, k: int, alpha: float = 0.9) -> bool:
     """Would some draft length 1..k beat no drafting for `batch` rows that each accept `alpha`
     of their drafts, at these round costs (the table, or the server's learned ones)? With the
     default, optimistic alpha, False means drafting loses at this batch size with any drafter a
     user would run: a server then skips the draft model's prefill of what it admits (loop.py)."""
-    cost = costs.at(batch)
-    plain = batch / cost.round_cost(0)
-    rates = (batch * expected_tokens_per_round(alpha, c) / cost.round_cost(c) for c in range(1, k + 1))
-    return any(rate > plain for rate in rates)
+    return seconds_saved_per_token(costs, batch, k, alpha) > 0
 
 
 class LoadAwarePolicy:

@@ -16,6 +16,7 @@ and the blocks of every prefilled prompt (and, at retirement, of every finished 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ from ..models.base import extend
 from ..models.cache import BLOCK, KVCache
 from .prefix import PrefixCache
 from .rows import Rows
+
+# which admitted rows skip the draft model's prefill: flags per row, or a function of (row, the
+# prompt tokens its draft model would still have to be fed) asked after the prefix cache's reuse
+Defer = list[bool] | Callable[[int, int], bool] | None
 
 
 def prefix_capable(spec, cache) -> bool:
@@ -34,13 +39,13 @@ def prefix_capable(spec, cache) -> bool:
 class Prefill:
     """Rows admitted but not decoding yet; see the module docstring."""
 
-    def __init__(
-        self, spec, rows: Rows, prefix: PrefixCache | None = None, defer: list[bool] | None = None
-    ) -> None:
+    def __init__(self, spec, rows: Rows, prefix: PrefixCache | None = None, defer: Defer = None) -> None:
         """defer: per row, skip the draft model's prefill (a drafter that prefills_own, chains
         only; never a seeded row sampled by the standard rule): the row joins cold and drafts
         nothing until the drafter's warm() feeds it (a server deferring where drafting does not
-        pay at its load; see serve/loop.py)."""
+        pay at its load, or would not pay back this prompt's draft prefill; see serve/loop.py).
+        A list of flags, or a function of (row, lag) asked once the prefix cache has given what
+        it holds, lag being the prompt tokens the draft model would still have to be fed."""
         self.started = time.perf_counter()
         self.spec, self.rows = spec, rows
         self.cache = spec.new_cache(rows.size, rows.tokens.shape[1])
@@ -64,10 +69,17 @@ class Prefill:
         if self.drafter is not None and self.drafter.prefills_own:
             self.drafted = self.draft_reused.clone()
             if defer is not None and spec.tree is None:
+                if callable(defer):
+                    lags = (self.goal - self.draft_reused).clamp(min=0).tolist()
+                    defer = [
+                        not p.drafts_decide and bool(defer(b, lag))
+                        for b, (lag, p) in enumerate(zip(lags, rows.params))
+                    ]
                 # never a seeded row sampled by the standard rule: its drafts decide its text
                 free = [d and not p.drafts_decide for d, p in zip(defer, rows.params)]
                 self.deferred = torch.tensor(free, dtype=torch.bool, device=self.cache.lengths.device)
         self._draft_turn = False
+        self.draft_s, self.draft_fed = 0.0, 0  # the draft model's own prefill: seconds, tokens
 
     @property
     def done(self) -> bool:
@@ -130,8 +142,12 @@ class Prefill:
         todo = torch.where(self.deferred, 0, (self.cache.lengths - self.drafted).clamp(min=0))
         if budget is not None:
             todo = torch.minimum(todo, (budget - (torch.cumsum(todo, 0) - todo)).clamp(min=0))
-        if int(todo.sum()):
+        fed = int(todo.sum())
+        if fed:
+            t0 = time.perf_counter()
             self.drafter.prefill(self.state, self.rows.context(), self.drafted + todo)
+            self.draft_s += time.perf_counter() - t0
+            self.draft_fed += fed
         self.drafted = self.drafted + todo
 
     def _target_step(self, budget: int | None) -> int:

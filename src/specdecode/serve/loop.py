@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..core.sampling import SamplingParams
 from ..engine import Generation, Prefill, SpeculativeGenerator
-from ..engine.policy import drafting_pays
+from ..engine.policy import drafting_pays, seconds_saved_per_token
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -102,6 +102,12 @@ class EngineLoop:
         self.max_batched_tokens = max_batched_tokens
         self.round_s: float | None = None  # running mean of a round's seconds (auto chunks)
         self.token_s: float | None = None  # running mean of seconds per prefilled token
+        # running means of the draft model's prefill seconds per token and of an answer's
+        # tokens (the payback rule, _worth), and the admissions since one was let explore
+        self.draft_token_s: float | None = None
+        self.answer_tokens: float | None = None
+        self._draft_seen = (None, 0.0, 0)  # (run, its draft_prefill seconds, tokens) last read
+        self.unexplored = 0
         self.waiting: collections.deque[Job] = collections.deque()
         self.prefilling: list[tuple[Job, Prefill]] = []  # admitted, prompt not yet cached
         self.running: dict[int, tuple[Job, int]] = {}  # row id -> (request, choice index)
@@ -217,6 +223,7 @@ class EngineLoop:
             for r in batch:
                 self._joined(r, [next(it) for _ in r.params])
             self._prefix_metrics()
+            self._draft_prefill_seen()
             return
         # the batch these rows will decode in: the running rows, those being admitted, and these
         rows = len(self.running) + sum(len(r.params) for r, _ in self.prefilling)
@@ -229,20 +236,29 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001
                 self._refuse(r, e)
 
-    def _defer(self, params: list, batch: int) -> list[bool] | None:
-        """Rows admitted into a batch of `batch` rows skip the draft model's prefill when drafting
-        would not pay at that size even at 90% acceptance (_pays, at the round costs the
-        load-aware policy reads): the policy would not let them draft, and a plain server never
-        pays that prefill. (Not the acceptance seen so far: rows that never draft would never
-        show a better one, and a server could stay off for good after a bad spell.)
-        Never a seeded row sampled by the standard rule (its drafts decide its text, so they
-        must not depend on the load). None: every row prefills as usual."""
+    def _defer(self, params: list, batch: int):
+        """Which rows admitted into a batch of `batch` rows skip the draft model's prefill
+        (Prefill's `defer`): all of them when drafting would not pay at that size even at 90%
+        acceptance (_pays, at the round costs the load-aware policy reads): the policy would not
+        let them draft, and a plain server never pays that prefill. (Not the acceptance seen so
+        far: rows that never draft would never show a better one, and a server could stay off
+        for good after a bad spell.) Where drafting can pay, each row whose draft prefill would
+        not be paid back (_worth: a long prompt for a short answer at the acceptance seen) is
+        asked once the prefix cache has given its share. Never a seeded row sampled by the
+        standard rule (its drafts decide its text, so they must not depend on the load). None:
+        every row prefills as usual."""
         gen = self.gen
         drafter, costs = gen.drafter, getattr(gen, "load_costs", None)
         if drafter is None or costs is None or not drafter.prefills_own or gen.spec.tree is not None:
             return None
         if self._pays(batch):
-            return None
+
+            def defer(row: int, lag: int) -> bool:
+                skip = not self._worth(params[row], lag, 0, batch, explore=True)
+                self.metrics.deferred_rows.inc(skip)
+                return skip
+
+            return defer
         defer = [not p.drafts_decide for p in params]
         self.metrics.deferred_rows.inc(sum(defer))
         return defer if any(defer) else None
@@ -251,17 +267,44 @@ class EngineLoop:
         """Drafting pays for a batch of `batch` rows at the learned round costs, if the rows
         accept 90% of their drafts, or (seen) the share they have accepted so far (90% before
         enough were tested)."""
-        alpha = None
-        if seen:
-            pooled = getattr(getattr(self.run, "policy", None), "pooled_alpha", None)
-            alpha = pooled() if pooled is not None else None
-        return drafting_pays(self.gen.load_costs, batch, self.gen.k, 0.9 if alpha is None else alpha)
+        return drafting_pays(self.gen.load_costs, batch, self.gen.k, self._alpha(seen))
+
+    def _alpha(self, seen: bool) -> float:
+        pooled = getattr(getattr(self.run, "policy", None), "pooled_alpha", None) if seen else None
+        alpha = pooled() if pooled is not None else None
+        return 0.9 if alpha is None else alpha
+
+    EXPLORE = 8  # rows deferred because drafting saves nothing at the acceptance seen, before one drafts
+
+    def _worth(
+        self, params: SamplingParams, lag: int, produced: int, batch: int, explore: bool = False
+    ) -> bool:
+        """The payback rule: is feeding a row's draft model the `lag` prompt tokens it lacks
+        (at the measured seconds per draft-prefill token) paid back by its tokens still to come
+        (max_tokens less the `produced` ones, at most an average answer's length) times the
+        seconds a token is saved by drafting in a batch of `batch` rows at the acceptance seen
+        so far (policy.seconds_saved_per_token)? Measured on the pair (benchmarks/NOTES.md,
+        issue 37 fifth session): a 671-token chat prompt's draft prefill took 1.8 s for 64
+        tokens that drafting at 65% acceptance sped up by less. Yes before the draft's prefill
+        was ever timed. Where drafting saves nothing at the acceptance seen, every EXPLORE-th
+        such admission still drafts (explore), so that acceptance is measured again."""
+        if lag <= 0 or self.draft_token_s is None:
+            return True
+        to_go = params.max_new_tokens - produced
+        if self.answer_tokens is not None:
+            to_go = min(to_go, self.answer_tokens)
+        saved = seconds_saved_per_token(self.gen.load_costs, batch, self.gen.k, self._alpha(True))
+        if saved == 0 and explore:
+            self.unexplored += 1
+            if self.unexplored > self.EXPLORE:
+                self.unexplored = 0
+                return True
+        return to_go * saved > lag * self.draft_token_s
 
     def _warm(self, budget: int | None) -> int:
         """Feed deferred rows' draft models once drafting pays at the running batch's size and
-        the acceptance seen so far, each row only if it has at least as many tokens still to
-        generate as it must catch up (so the catch-up is paid back); at most `budget` tokens.
-        Returns the tokens fed."""
+        the acceptance seen so far, each row only if its catch-up is paid back (_worth); at most
+        `budget` tokens. Returns the tokens fed."""
         run, gen = self.run, self.gen
         costs = getattr(gen, "load_costs", None)
         if run is None or costs is None or not self.running:
@@ -272,7 +315,7 @@ class EngineLoop:
         fed = 0
         for b, lag in cold:
             out = run.outputs[run.rows.ids[b]]
-            if out.params.max_new_tokens - len(out.tokens) < lag:
+            if not self._worth(out.params, lag, len(out.tokens), len(self.running)):
                 continue
             n = run.warm(b, None if budget is None else budget - fed)
             fed += n
@@ -282,6 +325,20 @@ class EngineLoop:
                 break
         return fed
 
+    def _draft_prefill_seen(self) -> None:
+        """Fold what the run's draft model spent prefilling since the last look into the running
+        mean of its seconds per token."""
+        run = self.run
+        if run is None:
+            return
+        seconds, tokens = run.draft_prefill
+        last_run, last_s, last_n = self._draft_seen
+        if last_run is not run:
+            last_s, last_n = 0.0, 0
+        if tokens > last_n:
+            self.draft_token_s = _mean(self.draft_token_s, (seconds - last_s) / (tokens - last_n))
+        self._draft_seen = (run, seconds, tokens)
+
     def _prefill(self) -> None:
         """Feed the admitted prompts, the oldest first: all of them when no row is decoding (or
         chunking is off), else at most the iteration's token budget less the running rows'; then
@@ -289,6 +346,7 @@ class EngineLoop:
         if not self.prefilling:
             if self.running:
                 self._warm(self._chunk_budget())
+                self._draft_prefill_seen()
             return
         budget = self._chunk_budget() if self.running else None
         for req, prefill in list(self.prefilling):
@@ -312,6 +370,7 @@ class EngineLoop:
                     break
         if budget is None or budget > 0:
             self._warm(budget)
+        self._draft_prefill_seen()
         self._prefix_metrics()
 
     def _chunk_budget(self) -> int | None:
@@ -383,6 +442,7 @@ class EngineLoop:
                     choice.logprobs.extend(lps)
                     up.logprobs[c] = lps
             if event.finished[i]:
+                self.answer_tokens = _mean(self.answer_tokens, len(choice.tokens))
                 choice.finish_reason, choice.stop_text = out.reason, out.text
                 choice.stats = out.result(None).stats
                 up.finished.append(c)
