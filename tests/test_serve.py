@@ -459,8 +459,9 @@ def test_memory_stays_flat_over_1000_requests(server):
 
 @pytest.fixture(scope="module")
 def small_server(chat_target):
-    """A short context (96 tokens), so the fuzzer's requests stay quick."""
-    srv = Server.start(make_gen(chat_target), MODEL, max_batch=8, max_model_len=96)
+    """A short context (48 tokens) and short answers where a request names no max_tokens (8),
+    so the fuzzer's requests stay quick."""
+    srv = Server.start(make_gen(chat_target), MODEL, max_batch=8, max_model_len=48, default_max_tokens=8)
     yield srv
     srv.stop()
 
