@@ -118,7 +118,7 @@ def test_greedy_equals_target_only_alone_and_in_a_ragged_batch(lean64, case):
 
 # -- sampled: the target's two-token joint -------------------------------------------------
 
-RUNS = 40_000
+RUNS = 20_000
 PROMPT = [5, 9, 2]
 # (method, options, prompt): each a sampling family; the prompt with a repeat lets copy-based
 # drafters (ngram, suffix) draft in the first round

@@ -146,7 +146,7 @@ def test_bad_k_and_prompts_are_clear_errors(models):
 
 # -- sampling exactness through the whole engine ------------------------------------------
 
-RUNS = 60_000
+RUNS = 30_000
 PROMPT = [5, 9, 2]
 
 

@@ -39,7 +39,7 @@ def sixth_token_marginal(target, prompt: list[int]) -> np.ndarray:
     raise AssertionError("unreachable")
 
 
-SIXTH_RUNS = 40_000
+SIXTH_RUNS = 20_000
 
 
 def sixth_token_run(pair8) -> tuple[np.ndarray, list]:

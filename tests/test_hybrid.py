@@ -164,7 +164,7 @@ def test_greedy_output_equals_target_only_with_every_method_batch_1_and_ragged(
         assert [r.token_ids for r in gen.generate(PROMPTS, GREEDY)] == want, name
 
 
-def hybrid_pairs(target, draft, n: int = 40_000, **options):
+def hybrid_pairs(target, draft, n: int = 20_000, **options):
     prompt, V = [5, 9, 2], target.vocab_size
     gen = SpeculativeGenerator(target, draft=draft, **options)
     params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5, ignore_eos=True)

@@ -625,8 +625,8 @@ def test_a_request_may_ask_for_the_standard_rule(server):
 
 # a cost table under which drafting pays only in a very large batch, so in one run the cap is k
 # for the first round (every row) and 0 for the second (the rows whose first draft failed)
-FLIPPING = LoadCosts({1: {0: 1.0, 1: 100.0, 2: 100.0}, 60_000: {0: 1.0, 1: 1.0, 2: 1.0}})
-RUNS = 60_000
+RUNS = 30_000
+FLIPPING = LoadCosts({1: {0: 1.0, 1: 100.0, 2: 100.0}, RUNS: {0: 1.0, 1: 1.0, 2: 1.0}})
 
 
 @pytest.fixture(scope="module")
