@@ -888,6 +888,46 @@ def test_a_server_skips_the_draft_prefill_a_short_answer_would_not_pay_back(chat
     assert cheap_deferred == 0 and cheap.choices[0].stats.drafted > 0
 
 
+def test_a_server_sends_the_first_token_before_it_feeds_the_draft_model(chat_target):
+    """Time to first token is the target's prefill alone: a row whose draft prefill is worth it
+    (the payback rule) gets its first token from a plain round, and its draft model is fed
+    after that, so it drafts from its second round; the same for a row admitted while another
+    decodes. Greedy answers equal speculation off. The loop is stepped here, no thread."""
+    import asyncio
+
+    gen = make_gen(chat_target)
+    gen.load_costs = LoadCosts({1: {0: 1.0, 1: 0.8, 4: 1.0}, 2: {0: 1.0, 1: 0.8, 4: 1.0}})  # pays
+    loop = EngineLoop(gen, Metrics(), max_batch=8)
+    loop.draft_token_s = 1e-6  # a cheap draft prefill: every row's is worth it
+    loop._alpha = lambda seen: 0.9
+    tok = gen.target.tokenizer
+    prompts = [tok.encode("天下大势，分久必合，合久必分"), tok.encode("话说天下大势")]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    jobs = [Job(p, [params], asyncio.new_event_loop()) for p in prompts]
+    loop.submit(jobs[0])
+    lag_at_first_token = {}
+    while not all(job.done for job in jobs):
+        if loop.rounds == 3:
+            loop.submit(jobs[1])  # admitted while the first decodes
+        loop._admit()
+        loop._prefill()
+        if loop.running:
+            loop._round()
+        run = loop.run
+        lags = dict(run.cold_rows())
+        for i, job in enumerate(jobs):
+            if job.rows and job.choices[0].tokens and i not in lag_at_first_token:
+                b = run.rows.ids.index(job.rows[0]) if job.rows[0] in run.rows.ids else None
+                lag_at_first_token[i] = lags.get(b, 0)
+    off = SpeculativeGenerator(gen.target, batch_invariant=True).generate(prompts, [params] * 2)
+    assert [job.choices[0].tokens for job in jobs] == [r.token_ids for r in off]
+    # at its first token, each row's draft model still lacked its prompt ...
+    assert lag_at_first_token[0] >= len(prompts[0]) - 1 and lag_at_first_token[1] >= len(prompts[1]) - 1
+    # ... and was fed after it: both rows drafted
+    assert all(job.choices[0].stats.drafted > 0 for job in jobs)
+    assert metric_value(loop.metrics, "draft_deferred_rows") == 0  # not the payback rule's skips
+
+
 def test_the_payback_rule_lets_every_ninth_row_draft_where_drafting_saves_nothing_at_the_seen_acceptance(
     chat_target,
 ):

@@ -108,6 +108,10 @@ class EngineLoop:
         self.answer_tokens: float | None = None
         self._draft_seen = (None, 0.0, 0)  # (run, its draft_prefill seconds, tokens) last read
         self.unexplored = 0
+        # rows whose draft model is fed only after their first token (time to first token: the
+        # payback rule said yes, so they draft from their second round); their row ids
+        self.eager: set[int] = set()
+        self._eager_asked: list[int] = []  # the admission's row indices _defer's function said so of
         self.waiting: collections.deque[Job] = collections.deque()
         self.prefilling: list[tuple[Job, Prefill]] = []  # admitted, prompt not yet cached
         self.running: dict[int, tuple[Job, int]] = {}  # row id -> (request, choice index)
@@ -219,6 +223,7 @@ class EngineLoop:
                 for r in batch:
                     self._refuse(r, e)
                 return
+            self.eager.update(self._eager_asked)  # a fresh run's row ids are the prompts' indices
             it = iter(range(len(prompts)))
             for r in batch:
                 self._joined(r, [next(it) for _ in r.params])
@@ -231,7 +236,9 @@ class EngineLoop:
         for r in batch:
             try:
                 defer = self._defer(r.params, rows)
-                self.prefilling.append((r, self.run.begin([r.prompt_ids] * len(r.params), r.params, defer)))
+                prefill = self.run.begin([r.prompt_ids] * len(r.params), r.params, defer)
+                self.eager.update(prefill.rows.ids[b] for b in self._eager_asked)
+                self.prefilling.append((r, prefill))
                 self.requests.add(r)
             except Exception as e:  # noqa: BLE001
                 self._refuse(r, e)
@@ -246,7 +253,12 @@ class EngineLoop:
         not be paid back (_worth: a long prompt for a short answer at the acceptance seen) is
         asked once the prefix cache has given its share. Never a seeded row sampled by the
         standard rule (its drafts decide its text, so they must not depend on the load). None:
-        every row prefills as usual."""
+        every row prefills as usual.
+
+        A row whose draft prefill is worth it skips it too, for now: it is fed after the row's
+        first token (_warm, eager rows), so time to first token is the target's prefill alone
+        and the row drafts from its second round. Its row index goes to _eager_asked."""
+        self._eager_asked = []
         gen = self.gen
         drafter, costs = gen.drafter, getattr(gen, "load_costs", None)
         if drafter is None or costs is None or not drafter.prefills_own or gen.spec.tree is not None:
@@ -254,8 +266,13 @@ class EngineLoop:
         if self._pays(batch):
 
             def defer(row: int, lag: int) -> bool:
+                if lag <= 0:
+                    return False
                 skip = not self._worth(params[row], lag, 0, batch, explore=True)
                 self.metrics.deferred_rows.inc(skip)
+                if not skip and not params[row].drafts_decide:
+                    self._eager_asked.append(row)  # fed after its first token
+                    return True
                 return skip
 
             return defer
@@ -303,19 +320,30 @@ class EngineLoop:
 
     def _warm(self, budget: int | None) -> int:
         """Feed deferred rows' draft models once drafting pays at the running batch's size and
-        the acceptance seen so far, each row only if its catch-up is paid back (_worth); at most
-        `budget` tokens. Returns the tokens fed."""
+        the acceptance seen so far: the eager rows (_defer) once they have their first token,
+        the others only if their catch-up is paid back (_worth); at most `budget` draft tokens
+        (the iteration's prefill budget, counted in target-prefill tokens, converted at the
+        measured seconds per token of each). Returns the tokens fed."""
         run, gen = self.run, self.gen
         costs = getattr(gen, "load_costs", None)
+        admitting = {i for _, p in self.prefilling for i in p.rows.ids}
+        self.eager = {i for i in self.eager if i in self.running or i in admitting}
         if run is None or costs is None or not self.running:
             return 0
         cold = run.cold_rows()
         if not cold or not self._pays(len(self.running), seen=True):
             return 0
+        if budget is not None and self.token_s is not None and self.draft_token_s:
+            budget = max(int(budget * self.token_s / self.draft_token_s), budget)
+        ids = run.rows.ids
+        cold.sort(key=lambda c: ids[c[0]] not in self.eager)  # the eager rows first
         fed = 0
         for b, lag in cold:
-            out = run.outputs[run.rows.ids[b]]
-            if not self._worth(out.params, lag, len(out.tokens), len(self.running)):
+            out = run.outputs[ids[b]]
+            if ids[b] in self.eager:
+                if not out.tokens:
+                    continue  # its first token first
+            elif not self._worth(out.params, lag, len(out.tokens), len(self.running)):
                 continue
             n = run.warm(b, None if budget is None else budget - fed)
             fed += n
