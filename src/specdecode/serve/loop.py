@@ -323,7 +323,9 @@ class EngineLoop:
         the acceptance seen so far: the eager rows (_defer) once they have their first token,
         the others only if their catch-up is paid back (_worth); at most `budget` draft tokens
         (the iteration's prefill budget, counted in target-prefill tokens, converted at the
-        measured seconds per token of each). Returns the tokens fed."""
+        measured seconds per token of each), or all they lack when every running row is an eager
+        row still cold (no other stream's inter-token latency to keep: chunks would only add
+        rounds without drafts, measured on code at c = 1). Returns the tokens fed."""
         run, gen = self.run, self.gen
         costs = getattr(gen, "load_costs", None)
         admitting = {i for _, p in self.prefilling for i in p.rows.ids}
@@ -331,11 +333,14 @@ class EngineLoop:
         if run is None or costs is None or not self.running:
             return 0
         cold = run.cold_rows()
+        ids = run.rows.ids
+        self.eager &= {ids[b] for b, _ in cold} | admitting
         if not cold or not self._pays(len(self.running), seen=True):
             return 0
-        if budget is not None and self.token_s is not None and self.draft_token_s:
+        if not self.running.keys() - self.eager:
+            budget = None  # no other stream to keep decoding: the rows' own catch-up, whole
+        elif budget is not None and self.token_s is not None and self.draft_token_s:
             budget = max(int(budget * self.token_s / self.draft_token_s), budget)
-        ids = run.rows.ids
         cold.sort(key=lambda c: ids[c[0]] not in self.eager)  # the eager rows first
         fed = 0
         for b, lag in cold:
