@@ -328,13 +328,12 @@ class EngineLoop:
         rounds without drafts, measured on code at c = 1). Returns the tokens fed."""
         run, gen = self.run, self.gen
         costs = getattr(gen, "load_costs", None)
-        admitting = {i for _, p in self.prefilling for i in p.rows.ids}
-        self.eager = {i for i in self.eager if i in self.running or i in admitting}
         if run is None or costs is None or not self.running:
             return 0
         cold = run.cold_rows()
         ids = run.rows.ids
-        self.eager &= {ids[b] for b, _ in cold} | admitting
+        admitting = {i for _, p in self.prefilling for i in p.rows.ids}
+        self.eager &= {ids[b] for b, _ in cold} | admitting  # forget rows warmed, finished, gone
         if not cold or not self._pays(len(self.running), seen=True):
             return 0
         if not self.running.keys() - self.eager:
