@@ -6,6 +6,7 @@ again when they do not)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,49 @@ def test_prefix_cache_reuses_blocks_and_changes_no_token(models, method, rule):
     assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
     if method in ("eagle", "medusa", "early-exit", "none"):  # drafts depend only on exact states
         assert [r.stats.accepted for r in warm] == [r.stats.accepted for r in cold]
+
+
+# the admissions that draft nothing in their first round: no drafter, or every row's draft
+# prefill deferred (a server's choice); the standard rule's seeded rows are never deferred
+FIRST_CASES = [("none", r) for r in PARAMS]
+FIRST_CASES += [(m, r) for m in ("draft", "auto") for r in ("greedy", "seeded-invariant")]
+
+
+@pytest.mark.parametrize(("method", "rule"), FIRST_CASES)
+def test_a_first_token_from_the_prefill_is_the_first_rounds_token(models, method, rule):
+    """An admission that drafts nothing in its first round takes its first token from the
+    prefill's own forward (first=True): an event without a forward, before any round, and then
+    every token and seeded sample the rows get from a first round; with the prefix cache cold and
+    warm (the tail after the reused blocks), in a fresh batch and fed in chunks into a running
+    one. A row asking for one token ends at that event."""
+    params = [PARAMS[rule], PARAMS[rule], replace(PARAMS[rule], max_new_tokens=1)]
+    prompts = [TEXT + "曹操", TEXT[:40], TEXT[:20]]
+    want = [r.token_ids for r in generator(models, method).generate(prompts, params)]
+    gen = generator(models, method)
+    gen.enable_prefix_cache(64 << 20)
+    defer = None if method == "none" else [True] * 3
+
+    def rest(run, ids: list[int]) -> list[list[int]]:
+        first = next(run)
+        assert not first.forward and first.rows == ids and [len(e) for e in first.emitted] == [1, 1, 1]
+        assert first.finished == [False, False, True]
+        if defer is not None:
+            run.warm([b for b, _ in run.cold_rows()])
+        results = run.results()
+        assert all(results[i].stats.target_forwards == results[i].stats.rounds - 1 for i in ids)
+        return [results[i].token_ids for i in ids]
+
+    hits = gen.prefix_cache.stats.hit
+    for _ in range(2):  # the cache cold, then warm
+        assert rest(gen.stream(prompts, params, defer=defer, first=True), [0, 1, 2]) == want
+    assert gen.prefix_cache.stats.hit - hits >= 4 * BLOCK
+    run = gen.stream([TEXT[:10]], PARAMS[rule], first=True)
+    next(run)
+    prefill = run.begin(prompts, params, defer)
+    while not prefill.done:
+        prefill.step(7)
+        next(run, None)
+    assert rest(run, run.join(prefill)) == want
 
 
 def test_finished_answers_are_cached_for_the_next_turn(models):

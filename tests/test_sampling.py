@@ -59,6 +59,7 @@ def test_rows_and_positions_warp_independently():
         ("min_p", -0.1),
         ("max_new_tokens", 0),
         ("top_k", -1),
+        ("top_k", 2**70),
     ],
 )
 def test_bad_sampling_params_raise_clear_errors(field, value):

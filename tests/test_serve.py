@@ -184,7 +184,10 @@ def test_models_health_and_metrics_endpoints(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read())
     assert health["status"] == "ok"
-    client.completions.create(model=MODEL, prompt="关羽", max_tokens=8, temperature=0)
+    # a prompt the tiny pair knows by heart: its drafts are accepted whatever ran before (a short
+    # answer to "关羽" drafted nothing the target kept when this test ran first)
+    prompt = "话说天下大势，分久必合，合久必分"
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
     for name in (
         "specdecode:spec_decode_num_drafts_total",
         "specdecode:spec_decode_num_draft_tokens_total",
@@ -211,6 +214,7 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "not supported"),
     ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": [5, 99_999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "top_k": 2**70}, 400, "top_k"),
     ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "not served"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
@@ -675,6 +679,52 @@ def test_load_aware_two_token_check_catches_resampling_from_p(small_vocab, monke
     assert not ok, msg
 
 
+# rows of the first-token check: the batch-invariant prefill runs row by row (~2.5 ms a row here)
+FIRST_RUNS = 4_000
+
+
+def first_token_pairs(vocab16_dirs, prompt):
+    """Two tokens per row at T = 1, unseeded, in a batch-invariant run whose every row's draft
+    prefill is deferred (a server's choice): the first token comes from the prefill's own
+    forward (first=True), the second from a round drafting after warm()."""
+    target, draft = (load(p) for p in vocab16_dirs)  # float32: the invariant forward's dtype
+    gen = SpeculativeGenerator(target, draft, k=2, batch_invariant=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
+    torch.manual_seed(0)
+    run = gen.stream([prompt] * FIRST_RUNS, params, defer=[True] * FIRST_RUNS, first=True)
+    assert not next(run).forward  # the first tokens, from the prefill
+    run.warm([b for b, _ in run.cold_rows()])
+    results = run.results()
+    assert all(r.stats.drafted == 2 for r in results)  # the second token was drafted
+    V = target.vocab_size
+    pairs = np.array([r.token_ids[0] * V + r.token_ids[1] for r in results])
+    return pairs, two_token_joint(target, prompt)
+
+
+@pytest.mark.heavy
+def test_a_first_token_from_the_prefill_keeps_the_two_token_distribution(vocab16_dirs):
+    ok, msg = check_distribution(*first_token_pairs(vocab16_dirs, [5, 9, 2]))
+    assert ok, msg
+
+
+@pytest.mark.heavy
+def test_first_token_check_catches_a_greedy_first_token(vocab16_dirs, monkeypatch):
+    """Negative control: the prefill's first token taken as its argmax (the warp forgotten)."""
+    import specdecode.engine.generation as generation
+    from specdecode.engine.verify import Verdict
+
+    real = generation.verify_proposal
+
+    def greedy_when_nothing_drafted(proposal, logits, *args, **kw):
+        if proposal.tokens.shape[1] == 0:
+            return Verdict.plain(logits[:, 0].argmax(-1))
+        return real(proposal, logits, *args, **kw)
+
+    monkeypatch.setattr(generation, "verify_proposal", greedy_when_nothing_drafted)
+    ok, msg = check_distribution(*first_token_pairs(vocab16_dirs, [5, 9, 2]))
+    assert not ok, msg
+
+
 # -- the command ----------------------------------------------------------------------------
 
 
@@ -890,9 +940,10 @@ def test_a_server_skips_the_draft_prefill_a_short_answer_would_not_pay_back(chat
 
 def test_a_server_sends_the_first_token_before_it_feeds_the_draft_model(chat_target):
     """Time to first token is the target's prefill alone: a row whose draft prefill is worth it
-    (the payback rule) gets its first token from a plain round, and its draft model is fed
-    after that, so it drafts from its second round; the same for a row admitted while another
-    decodes. Greedy answers equal speculation off. The loop is stepped here, no thread."""
+    (the payback rule) takes its first token from the prefill's own forward, before any round,
+    and its draft model is fed after that, so it drafts from its first round; the same for a row
+    admitted while another decodes. Greedy answers equal speculation off. The loop is stepped
+    here, no thread."""
     import asyncio
 
     gen = make_gen(chat_target)
@@ -905,12 +956,13 @@ def test_a_server_sends_the_first_token_before_it_feeds_the_draft_model(chat_tar
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     jobs = [Job(p, [params], asyncio.new_event_loop()) for p in prompts]
     loop.submit(jobs[0])
-    lag_at_first_token = {}
+    lag_at_first_token, rounds_at_first_token = {}, {}
     while not all(job.done for job in jobs):
         if loop.rounds == 3:
             loop.submit(jobs[1])  # admitted while the first decodes
         loop._admit()
         loop._prefill()
+        rounds = loop.rounds
         if loop.running:
             loop._round()
         run = loop.run
@@ -919,12 +971,16 @@ def test_a_server_sends_the_first_token_before_it_feeds_the_draft_model(chat_tar
             if job.rows and job.choices[0].tokens and i not in lag_at_first_token:
                 b = run.rows.ids.index(job.rows[0]) if job.rows[0] in run.rows.ids else None
                 lag_at_first_token[i] = lags.get(b, 0)
+                rounds_at_first_token[i] = rounds
     off = SpeculativeGenerator(gen.target, batch_invariant=True).generate(prompts, [params] * 2)
     assert [job.choices[0].tokens for job in jobs] == [r.token_ids for r in off]
-    # at its first token, each row's draft model still lacked its prompt ...
+    # the first row's first token came before any round (the prefill's forward gave it) ...
+    assert rounds_at_first_token[0] == 0
+    # ... and at its first token, each row's draft model still lacked its prompt ...
     assert lag_at_first_token[0] >= len(prompts[0]) - 1 and lag_at_first_token[1] >= len(prompts[1]) - 1
-    # ... and was fed after it: both rows drafted
+    # ... and was fed after it: both rows drafted, and no round went without a forward's count
     assert all(job.choices[0].stats.drafted > 0 for job in jobs)
+    assert all(job.choices[0].stats.target_forwards == job.choices[0].stats.rounds - 1 for job in jobs)
     assert metric_value(loop.metrics, "draft_deferred_rows") == 0  # not the payback rule's skips
 
 

@@ -73,8 +73,8 @@ class SamplingParams:
         """Raise SpecDecodeError naming the first bad field and its allowed range."""
         if not self.temperature >= 0:
             raise SpecDecodeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise SpecDecodeError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise SpecDecodeError(f"top-k must be >= 0 (0 = off) and below 2**31, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise SpecDecodeError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:

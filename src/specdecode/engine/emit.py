@@ -58,6 +58,9 @@ class RoundEvent:
     verdict: Verdict
     emitted: list[list[int]]  # per live row, after stop rules
     finished: list[bool]
+    # False: first tokens sampled from the prefill's logits (Generation's `first`): no round's
+    # forward, and `rows` are only the rows just admitted
+    forward: bool = True
 
     def records(self) -> list[RoundRecord]:
         """Trace lines (docs/contract.md): positions after the first rejection have uniform None."""
@@ -104,10 +107,12 @@ def emit(
     tokenizer: TextTokenizer | None,
     times: tuple[float, float],
     logprobs: list | None = None,
+    forward: bool = True,
 ) -> tuple[list[list[int]], list[bool]]:
     """Append each row's verified tokens to its output under the stop rules, and count its
     stats; return what each row emitted and whether it finished. logprobs: per row, those of
-    its verified tokens (None for rows that asked for none), cut like the tokens."""
+    its verified tokens (None for rows that asked for none), cut like the tokens. forward=False:
+    the tokens came from the prefill's forward (not a decoding forward: not counted as one)."""
     tokens = verdict.tokens.tolist()
     n_emit = verdict.num_emitted.tolist()
     accepted = verdict.accepted.tolist()
@@ -137,13 +142,15 @@ def emit(
             out.reason, out.ended = reason, now
         emitted.append(new)
         finished.append(reason is not None)
-        _count(out.stats, drafted[i], accepted[i], times)
+        _count(out.stats, drafted[i], accepted[i], times, forward)
     return emitted, finished
 
 
-def _count(st: GenerationStats, drafted: int, accepted: int, times: tuple[float, float]) -> None:
+def _count(
+    st: GenerationStats, drafted: int, accepted: int, times: tuple[float, float], forward: bool = True
+) -> None:
     st.rounds += 1
-    st.target_forwards += 1
+    st.target_forwards += forward
     st.draft_s += times[0]
     st.target_s += times[1]
     st.drafted += drafted

@@ -5,6 +5,7 @@ SpeculativeGenerator starts them; calibrate.py times scratch ones)."""
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,15 +37,21 @@ class Generation:
         make_policy: Callable[[Generation], Any] | None = None,
         prefix: PrefixCache | None = None,
         defer: Defer = None,
+        first: bool = False,
     ) -> None:
         """A batch of these prompts (token ids) under `spec`; the draft-length policy is
         `policy`, or make_policy(this run) once the rows exist (the optimal policy times them).
         prefix: a PrefixCache to reuse earlier requests' keys and values from (and to fill).
-        defer: per row, skip the draft model's prefill (Prefill); the row drafts once warm()ed."""
+        defer: per row, skip the draft model's prefill (Prefill); the row drafts once warm()ed.
+        first: rows that would not draft in their first round take their first token from the
+        prefill's forward (Prefill's `first`); it comes out as an event of its own, without a
+        target forward (RoundEvent.forward False), before the next round."""
         self.spec, self.target, self.drafter = spec, spec.target, spec.drafter
         self.prefix = prefix
+        self.first = first
         self.outputs: list[RowOutput] = []
         self.round_no = 0
+        self._firsts: collections.deque[RoundEvent] = collections.deque()  # first tokens not yet read
         # the draft model's own prefill of every admission and warm(): [seconds, tokens fed]
         self.draft_prefill = [0.0, 0]
         with torch.inference_mode():
@@ -120,6 +127,15 @@ class Generation:
         return self
 
     def __next__(self) -> RoundEvent:
+        while self._firsts:  # first tokens the prefill gave: their event, no forward
+            event = self._firsts.popleft()
+            live = set(self.rows.ids)
+            if not live.issuperset(event.rows):  # cancelled since: nobody reads them
+                continue
+            done = {row for row, f in zip(event.rows, event.finished) if f}
+            if done:
+                self._retire([i for i, row in enumerate(self.rows.ids) if row not in done])
+            return event
         if self.rows.size == 0:
             raise StopIteration
         with torch.inference_mode():
@@ -199,6 +215,7 @@ class Generation:
         self._count_draft_prefill(prefill)
         with torch.inference_mode():
             rows, cache, state = prefill.finish()
+            self._first_tokens(prefill)
             if self.rows.size == 0:
                 self.rows, self.cache, self.state = rows, cache, state
             else:
@@ -239,7 +256,7 @@ class Generation:
             list(range(first, first + len(ids))), ids, params, self.spec.width, self.target.device
         )
         self.spec.check_capacity(rows.tokens.shape[1])
-        prefill = Prefill(self.spec, rows, self.prefix, defer)
+        prefill = Prefill(self.spec, rows, self.prefix, defer, self.first)
         self.outputs += [RowOutput(p, prefill.started) for p in params]
         prefill.outputs = self.outputs[first:]
         return prefill
@@ -250,7 +267,30 @@ class Generation:
         prefill = self._begin(ids, params, defer)
         prefill.step(None)
         self._count_draft_prefill(prefill)
-        return prefill.finish()
+        finished = prefill.finish()
+        self._first_tokens(prefill)
+        return finished
+
+    def _first_tokens(self, prefill: Prefill) -> None:
+        """Sample the first token of rows whose prefill kept the logits after their prompt
+        (Prefill's `first`), by the round's own rule (verify_proposal with nothing drafted, so
+        the same token a plain first round would give: those logits are bit for bit the round's),
+        emit it, and queue its event for __next__."""
+        logits = prefill.first_logits
+        if logits is None:
+            return
+        rows = prefill.rows
+        proposal = Proposal.empty(rows.size, rows.tokens.device)
+        verdict = verify_proposal(proposal, logits, rows.warp, rows.rng, rows.lengths)
+        logprobs = token_logprobs(logits, verdict, rows.params)
+        rows.append(verdict.tokens, verdict.num_emitted)  # the cache holds every prompt token
+        tok = self.target.tokenizer
+        eos = self.target.eos_token_ids
+        times = (0.0, 0.0)  # no decoding forward: the prefill's seconds are the row's prefill_s
+        emitted, finished = emit(self.outputs, rows.ids, verdict, eos, tok, times, logprobs, forward=False)
+        event = RoundEvent(self.round_no, list(rows.ids), proposal.tokens, verdict, emitted, finished, False)
+        self.round_no += 1
+        self._firsts.append(event)
 
     def _retire(self, keep: list[int]) -> None:
         if self.prefix is not None:

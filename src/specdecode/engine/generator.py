@@ -128,14 +128,23 @@ class SpeculativeGenerator:
         prompts: Sequence[Prompt] | Prompt,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         defer: Defer = None,
+        first: bool = False,
     ) -> Generation:
         """Start a batch: iterate the returned Generation for one RoundEvent per round (admit
         more rows with its add()), then call its results(). defer: per row, skip the draft
         model's prefill (the row drafts nothing until Generation.warm() feeds it; a server's
-        choice under load)."""
+        choice under load). first: admissions that would not draft in their first round take
+        their first token from the prefill's forward (an event with forward=False; a server's
+        time to first token)."""
         ids, plist = prepare(self.target, prompts, params)
         return Generation(
-            self.spec, ids, plist, make_policy=self.new_policy, prefix=self.prefix_cache, defer=defer
+            self.spec,
+            ids,
+            plist,
+            make_policy=self.new_policy,
+            prefix=self.prefix_cache,
+            defer=defer,
+            first=first,
         )
 
     def generate(

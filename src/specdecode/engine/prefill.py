@@ -39,13 +39,22 @@ def prefix_capable(spec, cache) -> bool:
 class Prefill:
     """Rows admitted but not decoding yet; see the module docstring."""
 
-    def __init__(self, spec, rows: Rows, prefix: PrefixCache | None = None, defer: Defer = None) -> None:
+    def __init__(
+        self, spec, rows: Rows, prefix: PrefixCache | None = None, defer: Defer = None, first: bool = False
+    ) -> None:
         """defer: per row, skip the draft model's prefill (a drafter that prefills_own, chains
         only; never a seeded row sampled by the standard rule): the row joins cold and drafts
         nothing until the drafter's warm() feeds it (a server deferring where drafting does not
         pay at its load, or would not pay back this prompt's draft prefill; see serve/loop.py).
         A list of flags, or a function of (row, lag) asked once the prefix cache has given what
-        it holds, lag being the prompt tokens the draft model would still have to be fed."""
+        it holds, lag being the prompt tokens the draft model would still have to be fed.
+
+        first: when no row of this admission drafts in its first round (no drafter, or every row
+        deferred) and a token's keys, values and logits do not depend on the forward that
+        computed them (prefix_capable), the prompt's last token is fed too and its logits kept
+        (first_logits): the rows' first tokens come from the prefill's own forward instead of a
+        first round's (Generation samples them at the join), one pass over the weights fewer
+        before the first token."""
         self.started = time.perf_counter()
         self.spec, self.rows = spec, rows
         self.cache = spec.new_cache(rows.size, rows.tokens.shape[1])
@@ -80,6 +89,13 @@ class Prefill:
                 self.deferred = torch.tensor(free, dtype=torch.bool, device=self.cache.lengths.device)
         self._draft_turn = False
         self.draft_s, self.draft_fed = 0.0, 0  # the draft model's own prefill: seconds, tokens
+        # [B, 1, V] the logits after each prompt's last token, once fed (first=True only)
+        self.first_logits: torch.Tensor | None = None
+        self._logits: list[torch.Tensor | None] = []
+        plain = self.drafter is None or bool(self.deferred.all())
+        if first and plain and prefix_capable(spec, self.cache):
+            self.goal = rows.lengths.clone()  # every prompt token, the last one too
+            self._logits = [None] * rows.size
 
     @property
     def done(self) -> bool:
@@ -162,24 +178,30 @@ class Prefill:
         upto = start + todo
         spec, rows, cache = self.spec, self.rows, self.cache
         needs, aux = spec.needs, spec.needs.aux_layers
+        # the rows whose prompt this step completes keep their last logits (first=True)
+        first = bool(self._logits) and bool(((todo > 0) & (upto >= self.goal)).any())
         if not (spec.invariant and rows.size > 1):
-            hidden = extend(spec.target, cache, rows.tokens, upto, needs.hidden, False, aux)[1]
+            logits, hidden = extend(spec.target, cache, rows.tokens, upto, needs.hidden, first, aux)
+            if first:
+                self._keep_logits(range(rows.size), upto, logits)
         else:  # row by row: a row's cache holds what it would hold in a batch of one
             hiddens = []
             for b in range(rows.size):
                 if int(todo[b]) == 0:
                     hiddens.append(None)
                     continue
-                _, h = extend(
+                logits, h = extend(
                     spec.target,
                     cache.row(b),
                     rows.tokens[b : b + 1],
                     upto[b : b + 1],
                     needs.hidden,
-                    False,
+                    first,
                     aux,
                 )
                 cache.lengths[b] = upto[b]
+                if first:
+                    self._keep_logits([b], upto, logits, at=0)
                 hiddens.append(h)
             hidden = _stack(hiddens, rows.size) if needs.hidden else None
         if self.drafter is not None:
@@ -188,6 +210,14 @@ class Prefill:
             if self.drafted is None:
                 self.drafter.prefill(self.state, rows.context(), upto)
         return fed
+
+    def _keep_logits(self, rows, upto: torch.Tensor, logits: torch.Tensor, at: int | None = None) -> None:
+        """Keep the logits of the rows whose whole prompt is now cached (logits[at or b])."""
+        for b in rows:
+            if int(upto[b]) >= int(self.goal[b]) and self._logits[b] is None:
+                self._logits[b] = logits[b if at is None else at]
+        if all(x is not None for x in self._logits):
+            self.first_logits = torch.stack(self._logits).unsqueeze(1)
 
     @torch.inference_mode()
     def finish(self) -> tuple[Rows, Any, Any]:

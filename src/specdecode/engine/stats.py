@@ -12,7 +12,8 @@ class GenerationStats:
     """Totals for one row (or, merged, for a batch).
 
     target_forwards counts the target's decoding forwards (one per round; the prefill is not
-    counted), so tokens_per_forward = new_tokens / target_forwards.
+    counted, nor is a first token a server took from the prefill's forward: a round without
+    one), so tokens_per_forward = new_tokens / target_forwards.
     acceptance_rate = accepted / tested: the probability that a draft token the target
     checked was accepted, Leviathan et al.'s alpha (= E[min(1, p/q)] = 1 - TV(p, q)), the
     alpha of (1 - alpha^(k+1)) / (1 - alpha). Positions after a rejection are never tested.

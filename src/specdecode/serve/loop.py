@@ -218,7 +218,8 @@ class EngineLoop:
             prompts = [r.prompt_ids for r in batch for _ in r.params]
             params = [p for r in batch for p in r.params]
             try:
-                self.run = self.gen.stream(prompts, params, defer=self._defer(params, len(params)))
+                defer = self._defer(params, len(params))
+                self.run = self.gen.stream(prompts, params, defer=defer, first=True)
             except Exception as e:  # noqa: BLE001 — e.g. out of memory on a long prompt
                 for r in batch:
                     self._refuse(r, e)
@@ -345,8 +346,9 @@ class EngineLoop:
         for b, lag in cold:
             out = run.outputs[ids[b]]
             if ids[b] in self.eager:
-                if not out.tokens:
-                    continue  # its first token first
+                req, c = self.running[ids[b]]
+                if not req.choices[c].tokens:
+                    continue  # its first token first (sent, not only sampled)
             elif not self._worth(out.params, lag, len(out.tokens), len(self.running)):
                 continue
             n = run.warm(b, None if budget is None else budget - fed)
@@ -439,23 +441,42 @@ class EngineLoop:
         self.metrics.prefix_bytes.set(cache.bytes)
 
     def _round(self, overhead: float = 0.0) -> None:
+        """ONE round for every live row, and its tokens to the requests. First tokens the
+        prefill gave (Generation's `first`: admissions that would not draft in their first round)
+        come first, without a forward; the round follows at once when other rows are decoding,
+        else in the next iteration, after the new rows' draft models were fed (_warm)."""
         run = self.run
-        t0 = time.perf_counter()
-        event = next(run)
+        joined: set[int] = set()
+        while True:
+            t0 = time.perf_counter()
+            event = next(run)
+            now = time.perf_counter()
+            if event.forward:
+                self._timed(event, now - t0, overhead)
+            verdict = event.verdict
+            drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
+            emitted = sum(len(e) for e in event.emitted)
+            self.metrics.round(drafted, accepted, emitted, getattr(run.policy, "cap", None), event.forward)
+            self._deliver(event, now)
+            joined.update(event.rows)
+            if event.forward or not self.running.keys() - joined:
+                return
+
+    def _timed(self, event, seconds: float, overhead: float) -> None:
+        """A round's wall time: the running mean (auto chunks) and the load-aware policy's."""
+        run = self.run
         self.rounds += 1
-        now = time.perf_counter()
-        self.round_s = _mean(self.round_s, now - t0)
+        self.round_s = _mean(self.round_s, seconds)
         record = getattr(run.policy, "record", None)
         if record is not None:  # the load-aware policy learns what rounds really cost
-            record(now - t0, overhead)
+            record(seconds, overhead)
             costs = getattr(run.policy, "costs", None)
             if hasattr(costs, "correction"):
                 self.metrics.round_cost.set(costs.correction(len(event.rows), True))
-        verdict = event.verdict
-        drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
-        self.metrics.round(
-            drafted, accepted, sum(len(e) for e in event.emitted), getattr(run.policy, "cap", None)
-        )
+
+    def _deliver(self, event, now: float) -> None:
+        """Each request's new tokens (and the end of the finished ones)."""
+        run = self.run
         updates: dict[Job, Update] = {}
         for i, row in enumerate(event.rows):
             req, c = self.running[row]

@@ -88,8 +88,11 @@ class Metrics:
         )
         self.round_cost.set(1.0)
 
-    def round(self, drafted: list[int], accepted: list[int], emitted: int, cap: int | None) -> None:
-        self.rounds.inc()
+    def round(
+        self, drafted: list[int], accepted: list[int], emitted: int, cap: int | None, forward: bool = True
+    ) -> None:
+        """One round's counts; forward=False: first tokens from the prefill (not a round)."""
+        self.rounds.inc(forward)
         self.generation_tokens.inc(emitted)
         self.num_drafts.inc(sum(1 for d in drafted if d))
         self.num_draft_tokens.inc(sum(drafted))

@@ -87,7 +87,9 @@ class _Sampling(BaseModel):
     stop: Stop = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    top_k: Int = Field(0, ge=-1, description="extension: keep the k most likely tokens (0 or -1: off)")
+    top_k: Int = Field(
+        0, ge=-1, lt=2**31, description="extension: keep the k most likely tokens (0 or -1: off)"
+    )
     min_p: Float = Field(0.0, ge=0, lt=1, description="extension: drop tokens below min_p x the top one")
     ignore_eos: StrictBool = Field(False, description="extension: keep going after the end-of-text token")
     sampling_rule: Literal["standard", "invariant"] | None = Field(
