@@ -202,8 +202,8 @@ def one_request(
     text, ttft, usage, spec, arrivals = "", None, None, None, []
     while True:
         line = resp.readline()
-        if not line:
-            break
+        if not line:  # a stream cut short (the server died: once, killed for memory) is an error
+            raise RuntimeError(f"the stream ended without [DONE] after {len(arrivals)} chunks")
         line = line.strip()
         if not line.startswith(b"data: "):
             continue
