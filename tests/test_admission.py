@@ -189,6 +189,21 @@ def test_a_first_token_from_the_prefill_is_the_first_rounds_token(models, method
     assert rest(run, run.join(prefill)) == want
 
 
+def test_a_row_cancelled_before_its_first_token_is_read_leaves_the_others_theirs(models):
+    """Rows of one admission share the event of their first tokens; cancelling one row before
+    that event is read drops only its token: the others get theirs, and their whole answers."""
+    params = PARAMS["greedy"]
+    prompts = [TEXT[:30], TEXT[:40], TEXT[:50]]
+    want = [r.token_ids for r in generator(models, "none").generate(prompts, params)]
+    run = generator(models, "none").stream(prompts, params, first=True)
+    run.cancel([1])
+    first = next(run)
+    assert not first.forward and first.rows == [0, 2] and first.emitted == [want[0][:1], want[2][:1]]
+    results = run.results()
+    assert [results[0].token_ids, results[2].token_ids] == [want[0], want[2]]
+    assert results[1].finish_reason == "abort" and results[1].token_ids == want[1][:1]
+
+
 def test_finished_answers_are_cached_for_the_next_turn(models):
     """A chat's next turn starts with the previous prompt and answer: blocks of the answer (written
     during verification rounds) are reused, and the next turn's tokens do not change."""

@@ -130,8 +130,11 @@ class Generation:
         while self._firsts:  # first tokens the prefill gave: their event, no forward
             event = self._firsts.popleft()
             live = set(self.rows.ids)
-            if not live.issuperset(event.rows):  # cancelled since: nobody reads them
+            keep = [i for i, row in enumerate(event.rows) if row in live]  # not cancelled since
+            if not keep:
                 continue
+            if len(keep) < len(event.rows):
+                event = _first_rows(event, keep)
             done = {row for row, f in zip(event.rows, event.finished) if f}
             if done:
                 self._retire([i for i, row in enumerate(self.rows.ids) if row not in done])
@@ -304,6 +307,20 @@ class Generation:
         if self.drafter is not None:
             self.drafter.select_rows(self.state, index)
         self.policy.select_rows(keep)
+
+
+def _first_rows(event: RoundEvent, keep: list[int]) -> RoundEvent:
+    """A first-token event (a plain verdict) cut to the rows at indices `keep`."""
+    idx = torch.tensor(keep, dtype=torch.long, device=event.verdict.tokens.device)
+    return RoundEvent(
+        event.round,
+        [event.rows[i] for i in keep],
+        event.draft_tokens[idx],
+        Verdict.plain(event.verdict.tokens[idx, 0]),
+        [event.emitted[i] for i in keep],
+        [event.finished[i] for i in keep],
+        False,
+    )
 
 
 def _along(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
