@@ -51,6 +51,15 @@ def test_residual_rule_keeps_target_distribution_and_resampling_from_p_does_not(
     assert tv(counts_b, p) > np.quantile(noise_tvs(p, n, 40), 0.99) * 3
 
 
+def test_sampling_noise_is_simulated_for_a_float32_distribution_that_rounds_above_one():
+    """A float32 distribution (a torch softmax product) can sum to 1 + 5e-8: numpy's multinomial
+    refused it and a distribution test failed with a traceback on one CPU kind, not on another."""
+    p = np.array([0.3, 0.3, 0.3, 0.1, 0.0], dtype=np.float32)
+    assert p[:-1].astype(np.float64).sum() > 1 + 1e-12  # what numpy refuses
+    tvs = noise_tvs(p, 1000, sims=8)
+    assert tvs.shape == (8,) and (tvs >= 0).all() and tvs.max() < 0.1
+
+
 def test_rules_experiment_checks_hold_on_tiny_models(cfg):
     res = run_experiment("rules", cfg, draws=50_000)
     assert res.checks["residual_tv_below_noise_p99"] and res.checks["residual_chi2_p_above_1e-4"]

@@ -17,7 +17,10 @@ def noise_tvs(
     """TV(empirical, p) of n direct draws from p (or from draw_from), for `sims` independent
     simulations: the distance that sampling noise alone produces at this sample size."""
     rng = np.random.default_rng(seed)
-    src = p if draw_from is None else draw_from
+    src = np.asarray(p if draw_from is None else draw_from, dtype=np.float64)
+    # renormalised in float64: a float32 distribution can sum to 1 + 1e-7, which numpy's
+    # multinomial refuses (seen on an AMX machine, whose kernels round differently)
+    src = src / src.sum()
     return np.array([tv(rng.multinomial(n, src), p) for _ in range(sims)])
 
 
