@@ -1001,6 +1001,22 @@ def test_the_payback_rule_lets_every_ninth_row_draft_where_drafting_saves_nothin
     assert not any(loop._worth(params, 10, 0, 1) for _ in range(3 * loop.EXPLORE))
 
 
+def test_the_payback_rule_prices_a_draft_prefill_at_the_draft_models_own_acceptance(chat_target):
+    """auto's suffix drafts (accepted nearly always on repeated text) must not make a draft
+    model's prefill look paid back: the loop reads the run's model_acceptance, not the policy's
+    pooled rate of every draft; 0.9 before either was measured."""
+    from types import SimpleNamespace
+
+    gen = make_gen(chat_target)
+    loop = EngineLoop(gen, Metrics(), max_batch=8)
+    assert loop._alpha(True) == 0.9  # no run yet
+    policy = SimpleNamespace(pooled_alpha=lambda: 0.99)
+    loop.run = SimpleNamespace(policy=policy, model_acceptance=lambda: 0.3)
+    assert loop._alpha(True) == 0.3 and loop._alpha(False) == 0.9
+    loop.run = SimpleNamespace(policy=policy, model_acceptance=lambda: None)  # too few tested
+    assert loop._alpha(True) == 0.9
+
+
 def metric_value(metrics: Metrics, name: str) -> float:
     from prometheus_client import generate_latest
 

@@ -77,3 +77,28 @@ def test_a_draft_chain_whose_rows_all_have_limit_0_proposes_nothing():
     ctx = DraftContext(torch.zeros(2, 8, dtype=torch.long), torch.tensor([3, 4]), Warp.greedy(2), None)
     proposal = DraftChain(ctx, torch.zeros(2, dtype=torch.long), None).proposal()
     assert proposal.width == 0 and proposal.draft_lengths().tolist() == [0, 0]
+
+
+def test_auto_prices_its_draft_model_by_that_models_drafts_alone(pair_dir):
+    """What a server pays a draft model's prefill back from is the acceptance of the drafts that
+    model made (Generation.model_acceptance): auto's suffix drafts, accepted nearly always on
+    repeated text, are left out. Checked against a tally of every round's rows by the source of
+    their drafts; the run must have drafted from both, or the check would not tell them apart."""
+    target = load(pair_dir[0], dtype=torch.float64)
+    draft = load(pair_dir[1], dtype=torch.float64)
+    gen = SpeculativeGenerator(target, draft, k=4, method="auto")
+    run = gen.stream(PROMPTS, GREEDY)
+    tally = {True: [0, 0], False: [0, 0]}  # from a suffix match?: [tested, accepted]
+    for event in run:
+        if not event.forward or not event.verdict.draft_lengths.any():
+            continue
+        drafted, accepted = event.verdict.draft_lengths.tolist(), event.verdict.accepted.tolist()
+        for src, d, a in zip(run.state.from_suffix, drafted, accepted):
+            tally[src][0] += min(a + 1, d)  # tested: the accepted ones and the first rejected
+            tally[src][1] += a
+    assert tally[True][0] > 0 and tally[False][0] > 0
+    assert run.model_drafts == tally[False]
+    model = run.model_acceptance(min_tests=1)
+    assert model == (tally[False][1] + 1) / (tally[False][0] + 2)
+    pooled = (tally[True][1] + tally[False][1] + 1) / (tally[True][0] + tally[False][0] + 2)
+    assert model != pooled  # what the server priced it at before

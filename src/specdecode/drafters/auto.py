@@ -4,12 +4,25 @@ from one drafter with that drafter's probabilities, so verification stays exact.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from ..core.proposal import Proposal
 from ..errors import SpecDecodeError
 from .base import NOTHING, DraftContext, Drafter, TargetNeeds
 from .suffix import SuffixDrafter, one_hot_proposal
+
+
+@dataclass
+class AutoState:
+    """A run's suffix state, its model drafter's state (None without one), and per row whether
+    the last proposal was the suffix match's."""
+
+    suffix: Any
+    model: Any
+    from_suffix: list[bool] = field(default_factory=list)
 
 
 class AutoDrafter(Drafter):
@@ -61,7 +74,7 @@ class AutoDrafter(Drafter):
 
     def start(self, ctx, target_cache):
         inner = self.inner.start(ctx, target_cache) if self.inner is not None else None
-        return (self.suffix.start(ctx, target_cache), inner)
+        return AutoState(self.suffix.start(ctx, target_cache), inner)
 
     @property
     def keeps_prefix(self) -> bool:  # type: ignore[override]
@@ -73,39 +86,43 @@ class AutoDrafter(Drafter):
 
     def prefill(self, state, ctx, lengths) -> None:
         if self.inner is not None:
-            self.inner.prefill(state[1], ctx, lengths)
+            self.inner.prefill(state.model, ctx, lengths)
 
     def defer(self, state, rows: list[int]) -> None:
         if self.inner is not None:
-            self.inner.defer(state[1], rows)
+            self.inner.defer(state.model, rows)
 
     def cold_lags(self, state, ctx):
-        return self.inner.cold_lags(state[1], ctx) if self.inner is not None else None
+        return self.inner.cold_lags(state.model, ctx) if self.inner is not None else None
 
     def warm(self, state, ctx, rows: list[int], budget: int | None = None) -> int:
-        return self.inner.warm(state[1], ctx, rows, budget) if self.inner is not None else 0
+        return self.inner.warm(state.model, ctx, rows, budget) if self.inner is not None else 0
 
     def save_prefix(self, state, row: int, start: int):
-        return self.inner.save_prefix(state[1], row, start) if self.inner is not None else None
+        return self.inner.save_prefix(state.model, row, start) if self.inner is not None else None
 
     def load_prefix(self, state, row: int, start: int, saved) -> None:
         if self.inner is not None:
-            self.inner.load_prefix(state[1], row, start, saved)
+            self.inner.load_prefix(state.model, row, start, saved)
 
     def observe(self, state, hidden, start, count) -> None:
         if self.inner is not None:
-            self.inner.observe(state[1], hidden, start, count)
+            self.inner.observe(state.model, hidden, start, count)
+
+    def prefilled_rows(self, state) -> list[bool] | None:
+        return [not s for s in state.from_suffix]
 
     def propose(self, state, ctx: DraftContext, limits: torch.Tensor, stop_below=None) -> Proposal:
         ks = limits.tolist()
-        found = self.suffix.drafts(state[0], ctx, ks)
-        use_suffix = [len(f) >= 2 and m >= self.long_match for f, m in zip(found, state[0].match)]
+        found = self.suffix.drafts(state.suffix, ctx, ks)
+        use_suffix = [len(f) >= 2 and m >= self.long_match for f, m in zip(found, state.suffix.match)]
+        state.from_suffix = use_suffix if self.inner is not None else [True] * len(use_suffix)
         if self.inner is None:
             return one_hot_proposal(found, ctx)
         if all(use_suffix):
             return one_hot_proposal(found, ctx)
         inner_limits = torch.tensor([0 if s else k for s, k in zip(use_suffix, ks)], device=limits.device)
-        model = self.inner.propose(state[1], ctx, inner_limits, stop_below)
+        model = self.inner.propose(state.model, ctx, inner_limits, stop_below)
         if not any(use_suffix):
             return model
         chosen = [f if s else f[:0] for f, s in zip(found, use_suffix)]
@@ -125,19 +142,19 @@ class AutoDrafter(Drafter):
         return Proposal(tokens, probs, lengths)
 
     def commit(self, state, lengths) -> None:
-        self.suffix.commit(state[0], lengths)
+        self.suffix.commit(state.suffix, lengths)
         if self.inner is not None:
-            self.inner.commit(state[1], lengths)
+            self.inner.commit(state.model, lengths)
 
     def select_rows(self, state, rows) -> None:
-        self.suffix.select_rows(state[0], rows)
+        self.suffix.select_rows(state.suffix, rows)
         if self.inner is not None:
-            self.inner.select_rows(state[1], rows)
+            self.inner.select_rows(state.model, rows)
 
     def caches(self, state) -> list:
-        return [] if self.inner is None else self.inner.caches(state[1])
+        return [] if self.inner is None else self.inner.caches(state.model)
 
     def add_rows(self, state, new) -> None:
-        self.suffix.add_rows(state[0], new[0])
+        self.suffix.add_rows(state.suffix, new.suffix)
         if self.inner is not None:
-            self.inner.add_rows(state[1], new[1])
+            self.inner.add_rows(state.model, new.model)

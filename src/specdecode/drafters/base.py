@@ -112,6 +112,13 @@ class Drafter:
         its prefill: a server under a load where drafting does not pay); they draft nothing, and
         nothing is fed for them, until warm() has caught them up. Others: never called."""
 
+    def prefilled_rows(self, state: Any) -> list[bool] | None:
+        """A drafter that prefills_own: per row, whether its last proposal came from the model
+        whose prefill that is (auto: False where a suffix match drafted instead); None: every
+        row's did. What a server prices a draft model's prefill with is the acceptance of
+        those drafts alone (serve/loop.py, the payback rule)."""
+        return None
+
     def cold_lags(self, state: Any, ctx: DraftContext) -> list[int] | None:
         """Per row: how many committed tokens a deferred (cold) row still lacks, 0 for a row that
         drafts; None when no row is cold."""

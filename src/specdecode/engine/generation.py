@@ -54,6 +54,9 @@ class Generation:
         self._firsts: collections.deque[RoundEvent] = collections.deque()  # first tokens not yet read
         # the draft model's own prefill of every admission and warm(): [seconds, tokens fed]
         self.draft_prefill = [0.0, 0]
+        # the drafts of a drafter's own prefilled model (auto: not its suffix matches): [tested,
+        # accepted], what that model's prefill is paid back by (model_acceptance)
+        self.model_drafts = [0, 0]
         with torch.inference_mode():
             self.rows, self.cache, self.state = self._start(ids, params, defer)
             self.policy = policy if policy is not None else make_policy(self)
@@ -88,11 +91,32 @@ class Generation:
         emitted, finished = emit(
             self.outputs, rows.ids, verdict, self.target.eos_token_ids, tok, (t1 - t0, t2 - t1), logprobs
         )
-        self.policy.observe(_outcome(verdict))
+        outcome = _outcome(verdict)
+        self.policy.observe(outcome)
+        self._count_model_drafts(outcome)
         draft_tokens = proposal.tokens if proposal.tree is None else verdict.tokens[:, :-1]
         event = RoundEvent(self.round_no, list(rows.ids), draft_tokens, verdict, emitted, finished)
         self.round_no += 1
         return event
+
+    def _count_model_drafts(self, outcome: RoundOutcome) -> None:
+        drafter = self.drafter
+        if drafter is None or not drafter.prefills_own or not any(outcome.tested):
+            return
+        mask = drafter.prefilled_rows(self.state) or [True] * len(outcome.tested)
+        for own, t, a in zip(mask, outcome.tested, outcome.accepted):
+            if own:
+                self.model_drafts[0] += t
+                self.model_drafts[1] += a
+
+    def model_acceptance(self, min_tests: int = 16) -> float | None:
+        """The share of its drafts the drafter's own prefilled model (a draft model) has had
+        accepted in this run, smoothed as the policy's pooled rate; None before `min_tests` of
+        them were tested, or without such a model. Auto's suffix drafts are not counted: they
+        need no draft-model prefill, and their acceptance (near 1 on repeated text) says
+        nothing of the model's."""
+        tested, accepted = self.model_drafts
+        return (accepted + 1) / (tested + 2) if tested >= min_tests else None
 
     def _propose(self, limits: list[int]) -> Proposal:
         rows, drafter = self.rows, self.drafter

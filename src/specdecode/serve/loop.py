@@ -288,8 +288,12 @@ class EngineLoop:
         return drafting_pays(self.gen.load_costs, batch, self.gen.k, self._alpha(seen))
 
     def _alpha(self, seen: bool) -> float:
-        pooled = getattr(getattr(self.run, "policy", None), "pooled_alpha", None) if seen else None
-        alpha = pooled() if pooled is not None else None
+        """The acceptance a draft model's prefill is priced at: (seen) that of the drafts the
+        draft model itself made in this run (Generation.model_acceptance: auto's suffix drafts
+        left out, whose near-perfect acceptance on repeated text would price the prefill of rows
+        whose draft model drafts little), else the optimistic 0.9."""
+        model = getattr(self.run, "model_acceptance", None) if seen else None
+        alpha = model() if model is not None else None
         return 0.9 if alpha is None else alpha
 
     EXPLORE = 8  # rows deferred because drafting saves nothing at the acceptance seen, before one drafts
