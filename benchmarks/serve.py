@@ -243,6 +243,34 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
+COUNTERS = (
+    "draft_deferred_rows",
+    "draft_warmed_rows",
+    "draft_prefill_tokens",
+    "draft_prefill_seconds",
+    "prefill_tokens",
+    "engine_rounds",
+)
+
+
+def engine_counters(port: int) -> dict[str, float]:
+    """Our server's engine counters (Prometheus /metrics; a peer's: empty): read before and after
+    a run, their difference says what the engine did in it (draft prefills skipped and fed)."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in COUNTERS:
+            if line.startswith(f"specdecode:{name}") and "_created" not in line:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def load_run(port: int, prompts: list[str], concurrency: int, n: int, max_tokens: int, offset: int) -> dict:
     """n requests, prompts[offset:offset + n] (each run its own prompts: a suffix cache would
     otherwise draft the answers it already gave), from `concurrency` client threads."""
@@ -272,6 +300,7 @@ def load_run(port: int, prompts: list[str], concurrency: int, n: int, max_tokens
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
         conn.close()
 
+    before = engine_counters(port)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -279,6 +308,7 @@ def load_run(port: int, prompts: list[str], concurrency: int, n: int, max_tokens
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    after = engine_counters(port)
     rs = [results[i] for i in sorted(results)]
     tokens = sum(r["tokens"] for r in rs)
     forwards = sum(r["forwards"] or 0 for r in rs)
@@ -295,6 +325,7 @@ def load_run(port: int, prompts: list[str], concurrency: int, n: int, max_tokens
         "tokens_per_forward": tokens / forwards if forwards else None,
         "acceptance": accepted / drafted if drafted else None,
         "texts": [results[i]["text"] if i in results else None for i in range(n)],
+        "engine": {k: after[k] - before.get(k, 0.0) for k in after},
     }
 
 
@@ -373,6 +404,7 @@ def load_scenario(args, sets: dict[str, list[str]]) -> dict:
                 "latency_p50_s": statistics.median(r["latency_p50_s"] for r in reps),
                 "tokens_per_forward": reps[-1]["tokens_per_forward"],
                 "acceptance": reps[-1]["acceptance"],
+                "engine": [r.get("engine", {}) for r in reps],
                 "texts": [r["texts"] for r in reps],
             }
     # speed-ups against the first speculation-off server; the noise: the second one's ratio

@@ -375,6 +375,8 @@ class EngineLoop:
             last_s, last_n = 0.0, 0
         if tokens > last_n:
             self.draft_token_s = _mean(self.draft_token_s, (seconds - last_s) / (tokens - last_n))
+            self.metrics.draft_prefill_tokens.inc(tokens - last_n)
+            self.metrics.draft_prefill_seconds.inc(max(seconds - last_s, 0.0))
         self._draft_seen = (run, seconds, tokens)
 
     def _prefill(self) -> None:

@@ -81,6 +81,12 @@ class Metrics:
         self.warmed_rows = Counter(
             P + "draft_warmed_rows", "Deferred rows whose draft model was fed later, to draft", registry=r
         )
+        self.draft_prefill_tokens = Counter(
+            P + "draft_prefill_tokens", "Prompt tokens fed to the draft model (its own prefill)", registry=r
+        )
+        self.draft_prefill_seconds = Counter(
+            P + "draft_prefill_seconds", "Seconds spent feeding the draft model its prompts", registry=r
+        )
         self.round_cost = Gauge(
             P + "round_cost_correction",
             "Learned round cost / start-up table, for rounds that draft (1: as measured at start)",
