@@ -92,6 +92,30 @@ def test_w8a8_is_the_int8_product_up_to_half_an_activation_step_and_row_invarian
     assert torch.equal(torch.cat([linear(x[i : i + 5]) for i in range(0, 96, 5)]), got)
 
 
+@pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit", "7-bit"])
+def test_w8a8_many_rows_through_int_mm_are_fbgemms_bits_and_each_row_alone(reduce_range):
+    """A prefill's many rows may take torch._int_mm (oneDNN, AMX int8 where the CPU has it)
+    instead of FBGEMM: the same activation codes and exact integer sums, so the same bits,
+    which keeps a prompt's keys and values those its tokens get one at a time (prefix cache,
+    greedy identity). Checked on this CPU, not assumed: where _int_mm does not run, the probe
+    must say so (and FBGEMM does every product)."""
+    from specdecode.models import quant
+
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(96, 160, generator=g), torch.randn(96, generator=g)
+    linear = quantized_linear([w], b, "w8a8")
+    linear.reduce_range = reduce_range  # FBGEMM's 7-bit activations (CPUs without VNNI), or 8
+    x = torch.randn(300, 160, generator=g) * torch.logspace(-3, 2, 300).view(-1, 1)
+    try:
+        fast = linear._product(x, via_int_mm=True)
+    except (RuntimeError, NotImplementedError):
+        assert quant._int_mm_from_rows(reduce_range) is None
+        return
+    assert torch.equal(fast, linear._product(x, via_int_mm=False))
+    alone = torch.cat([linear._product(x[i : i + 1], via_int_mm=False) for i in range(0, 300, 7)])
+    assert torch.equal(fast[::7], alone)
+
+
 def test_the_reference_check_rejects_another_zero_convention():
     """Negative control: reading int4 as q * s + z (no offset of 8) is caught by the same check."""
     g = torch.Generator().manual_seed(1)

@@ -240,6 +240,71 @@ def _int8_gemm_engine() -> tuple[str, bool] | None:
     return engine, not ("avx512_vnni" in flags or "avx_vnni" in flags)
 
 
+def _int8_codes(rows: torch.Tensor, reduce_range: bool) -> torch.Tensor:
+    """The signed codes FBGEMM's dynamic linear gives rows whose range is exactly [-1, 1]
+    (torch's choice of parameters for that range: scale 2/255, zero point 128; 2/127 and 64
+    with reduce_range), less the zero point: torch's per-tensor quantizer at those parameters
+    (FBGEMM's own Quantize on x86: fma(x, 1/scale, zero point), rounded half to even)."""
+    qmax = 127 if reduce_range else 255
+    zero = (qmax + 1) // 2
+    scale = float(torch.tensor(2.0 / qmax, dtype=torch.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch marks its quantized-tensor API deprecated
+        codes = torch.quantize_per_tensor(rows, scale, zero, torch.quint8).int_repr()
+    if zero == 128:
+        return (codes ^ 0x80).view(torch.int8)  # u - 128 for every byte u
+    return (codes.to(torch.int16) - zero).to(torch.int8)
+
+
+def _int_mm_product(rows: torch.Tensor, weight_t: torch.Tensor, scales: torch.Tensor, reduce_range: bool):
+    """FBGEMM's dynamic linear (no bias) on rows in [-1, 1] whose range row is among them,
+    through torch._int_mm (oneDNN; AMX int8 where the CPU has it): the same codes, the same
+    exact integer sums, the same float epilogue (sum x (activation scale x weight scale), the
+    product of the scales in float32)."""
+    act = torch.tensor(2.0 / (127 if reduce_range else 255), dtype=torch.float32)
+    return torch._int_mm(_int8_codes(rows, reduce_range), weight_t).float().mul_(act * scales)
+
+
+_PROBE_ROWS = (32, 64, 128, 256)
+
+
+@functools.cache
+def _int_mm_from_rows(reduce_range: bool) -> int | None:
+    """From how many rows DynamicInt8Linear multiplies through torch._int_mm instead of FBGEMM
+    (a prefill: oneDNN's int8 GEMM uses AMX where the CPU has it, measured 2.7x FBGEMM's speed on
+    450 rows of a Sapphire Rapids core pair); None where _int_mm fails, where its result is not
+    FBGEMM's bit for bit on a probe, or where it is not faster at any of _PROBE_ROWS. Checked
+    once per process, never assumed from CPU flags (SPECDECODE_INT_MM=0 turns it off)."""
+    import os
+    import time
+
+    if os.environ.get("SPECDECODE_INT_MM", "1") == "0":
+        return None
+    gen = torch.Generator().manual_seed(0)
+    K, N = 1024, 2048
+    weight = QWeight.from_float(torch.randn(N, K, generator=gen) * 0.05, "int8")
+    try:
+        layer = DynamicInt8Linear(weight)
+        x = torch.randn(max(_PROBE_ROWS), K, generator=gen) * 3
+        if not torch.equal(layer._product(x, via_int_mm=False), layer._product(x, via_int_mm=True)):
+            return None
+
+        def best(rows: torch.Tensor, via: bool) -> float:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                layer._product(rows, via_int_mm=via)
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        for m in _PROBE_ROWS:
+            if best(x[:m], True) < 0.9 * best(x[:m], False):
+                return m
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None
+
+
 class DynamicInt8Linear(Linear):
     """int8 weights (one scale per output row) times int8 activations, each row quantized on the
     fly with its own scale: FBGEMM's dynamic quantized linear (torch.ops.quantized, the x86
@@ -272,6 +337,10 @@ class DynamicInt8Linear(Linear):
         self.weight = None
         self.range_row = torch.zeros(1, self.in_features)
         self.range_row[0, 0], self.range_row[0, -1] = 1.0, -1.0
+        # for many rows (a prefill), the same product through torch._int_mm (_int_mm_from_rows):
+        # the weight transposed, and FBGEMM's epilogue scale (activation x weight, in float32)
+        self.weight_t = weight.q.t().contiguous()
+        self.weight_scales = weight.scales.double().float()
 
     row_multiple = 1  # row-invariant by construction (tested): no padding needed
 
@@ -281,11 +350,17 @@ class DynamicInt8Linear(Linear):
         out = self._product(x).to(x.dtype)
         return out if residual is None else out.add_(residual)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, via_int_mm: bool | None = None) -> torch.Tensor:
         x = x.float()
         r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
         rows = torch.cat([x / r, self.range_row])
-        out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)[:-1].mul_(r)
+        if via_int_mm is None:
+            start = _int_mm_from_rows(self.reduce_range) if x.dim() == 2 else None
+            via_int_mm = start is not None and rows.shape[0] >= start
+        if via_int_mm:
+            out = _int_mm_product(rows, self.weight_t, self.weight_scales, self.reduce_range)[:-1].mul_(r)
+        else:
+            out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)[:-1].mul_(r)
         return out if self.bias is None else out.add_(self.bias)
 
 
