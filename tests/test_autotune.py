@@ -176,6 +176,10 @@ def test_open_returns_a_generator_that_says_which_formats_run(pair_dir, cache):
     assert plain.choice.how == "default" and plain.choice.target == "fp32" and len(lines) == 1
     opted_out = specdecode.open(str(target_dir), dtype="bf16", batch_invariant=False)
     assert opted_out.choice.how == "pinned" and not opted_out.batch_invariant
+    # "none", as the command line spells it, is target-only here too (it raised before)
+    assert specdecode.open(str(target_dir), method="none", log=lines.append).drafter is None
+    with pytest.raises(SpecDecodeError, match="method 'none' runs the target alone"):
+        specdecode.open(str(target_dir), draft=str(draft_dir), method="none")
 
 
 def test_draft_dtype_without_a_drafter_is_one_line_before_anything_loads(pair_dir, capsys):

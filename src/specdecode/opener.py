@@ -282,7 +282,8 @@ def open(target: str, *, draft: str | None = None, method: str | None = None, **
 
     target / draft: a known name (qwen2.5-coder-1.5b, smollm2-135m, ...), a bundled name or a
     Hugging Face model directory. method: a drafter (default 'draft' with a draft model, else
-    target-only). dtype / draft_dtype: a weight format (formats.py) or 'auto', measured on this
+    target-only); 'none' (as on the command line) or None without a draft model: target-only.
+    dtype / draft_dtype: a weight format (formats.py) or 'auto', measured on this
     machine and cached (the default for known models; fp32 otherwise). batch_invariant: default
     on for our lean runtime on CPU (greedy speculative output equals target-only), False opts out.
     k and every other SpecConfig field (policy, tree, heads, draft_vocab, ...) as keywords;
@@ -290,6 +291,10 @@ def open(target: str, *, draft: str | None = None, method: str | None = None, **
     (default: stderr). The generator's `choice` says which formats run and why."""
     from .engine import SpeculativeGenerator
 
+    if method == "none":
+        if draft:
+            raise SpecDecodeError("method 'none' runs the target alone; drop the draft model or the method")
+        method = None
     loaded = open_models(target, draft=draft, method=method, **kwargs)
     gen = SpeculativeGenerator(loaded.target, draft=loaded.draft, config=loaded.config)
     gen.choice = loaded.choice
