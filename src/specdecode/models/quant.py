@@ -398,7 +398,9 @@ def quantized_linear(parts: list[QWeight | torch.Tensor], bias: torch.Tensor | N
     ConcatLinear of one QuantLinear per format run."""
     if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
         qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]
-        return DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias)
+        linear = DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias)
+        _int_mm_from_rows(linear.reduce_range)  # probed at load, not in a first request's prefill
+        return linear
     qs = [p if isinstance(p, QWeight) else QWeight.from_float(p, kind) for p in parts]
     try:
         return QuantLinear(QWeight.cat(qs), bias)
