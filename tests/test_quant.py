@@ -103,7 +103,7 @@ def test_w8a8_many_rows_through_int_mm_are_fbgemms_bits_and_each_row_alone(reduc
 
     g = torch.Generator().manual_seed(11)
     w, b = torch.randn(96, 160, generator=g), torch.randn(96, generator=g)
-    linear = quantized_linear([w], b, "w8a8")
+    linear = DynamicInt8Linear(QWeight.from_float(w, "int8"), b, int_mm=True)  # whatever the probe says
     linear.reduce_range = reduce_range  # FBGEMM's 7-bit activations (CPUs without VNNI), or 8
     x = torch.randn(300, 160, generator=g) * torch.logspace(-3, 2, 300).view(-1, 1)
     try:

@@ -284,7 +284,7 @@ def _int_mm_from_rows(reduce_range: bool) -> int | None:
     K, N = 1024, 2048
     weight = QWeight.from_float(torch.randn(N, K, generator=gen) * 0.05, "int8")
     try:
-        layer = DynamicInt8Linear(weight)
+        layer = DynamicInt8Linear(weight, int_mm=True)
         x = torch.randn(max(_PROBE_ROWS), K, generator=gen) * 3
         if not torch.equal(layer._product(x, via_int_mm=False), layer._product(x, via_int_mm=True)):
             return None
@@ -316,7 +316,7 @@ class DynamicInt8Linear(Linear):
     result does not depend on the others. torch marks its quantized-tensor API deprecated; it is
     used only to hand FBGEMM the weight once, at load."""
 
-    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None, int_mm: bool | None = None) -> None:
         found = _int8_gemm_engine()
         if found is None or weight.q.device.type != "cpu":
             raise SpecDecodeError("w8a8 needs torch's x86/FBGEMM quantized engine on CPU; use --dtype int8")
@@ -337,9 +337,13 @@ class DynamicInt8Linear(Linear):
         self.weight = None
         self.range_row = torch.zeros(1, self.in_features)
         self.range_row[0, 0], self.range_row[0, -1] = 1.0, -1.0
-        # for many rows (a prefill), the same product through torch._int_mm (_int_mm_from_rows):
-        # the weight transposed, and FBGEMM's epilogue scale (activation x weight, in float32)
-        self.weight_t = weight.q.t().contiguous()
+        # for many rows (a prefill), the same product through torch._int_mm where the probe
+        # found it exact and faster (_int_mm_from_rows; int_mm True: keep it regardless): the
+        # weight a second time, transposed (its bytes again in memory, so only then), and the
+        # weight scales of FBGEMM's epilogue
+        if int_mm is None:
+            int_mm = _int_mm_from_rows(self.reduce_range) is not None
+        self.weight_t = weight.q.t().contiguous() if int_mm else None
         self.weight_scales = weight.scales.double().float()
 
     row_multiple = 1  # row-invariant by construction (tested): no padding needed
@@ -355,7 +359,7 @@ class DynamicInt8Linear(Linear):
         r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
         rows = torch.cat([x / r, self.range_row])
         if via_int_mm is None:
-            start = _int_mm_from_rows(self.reduce_range) if x.dim() == 2 else None
+            start = _int_mm_from_rows(self.reduce_range) if self.weight_t is not None else None
             via_int_mm = start is not None and rows.shape[0] >= start
         if via_int_mm:
             out = _int_mm_product(rows, self.weight_t, self.weight_scales, self.reduce_range)[:-1].mul_(r)
@@ -398,9 +402,7 @@ def quantized_linear(parts: list[QWeight | torch.Tensor], bias: torch.Tensor | N
     ConcatLinear of one QuantLinear per format run."""
     if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
         qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]
-        linear = DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias)
-        _int_mm_from_rows(linear.reduce_range)  # probed at load, not in a first request's prefill
-        return linear
+        return DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias)  # probes at load
     qs = [p if isinstance(p, QWeight) else QWeight.from_float(p, kind) for p in parts]
     try:
         return QuantLinear(QWeight.cat(qs), bias)
