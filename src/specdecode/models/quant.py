@@ -272,7 +272,7 @@ _PROBE_ROWS = (32, 64, 128, 256)
 def _int_mm_from_rows(reduce_range: bool) -> int | None:
     """From how many rows DynamicInt8Linear multiplies through torch._int_mm instead of FBGEMM
     (a prefill: oneDNN's int8 GEMM uses AMX where the CPU has it, measured 2.7x FBGEMM's speed on
-    450 rows of a Sapphire Rapids core pair); None where _int_mm fails, where its result is not
+    450 rows on two cores of an AMX Xeon); None where _int_mm fails, where its result is not
     FBGEMM's bit for bit on a probe, or where it is not faster at any of _PROBE_ROWS. Checked
     once per process, never assumed from CPU flags (SPECDECODE_INT_MM=0 turns it off)."""
     import os
