@@ -108,7 +108,7 @@ class ServerProcess:
                 if args.no_load_aware
                 else ["--load-costs", str(out / f"costs-{method}.json")]
             )
-        cmd += list(extra)
+        cmd += [*args.server_args.split(), *extra]
         self.cmd = cmd
         self.log = open(out / f"server-{label}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -362,7 +362,8 @@ def load_scenario(args, sets: dict[str, list[str]]) -> dict:
         r = load_run(server.port, chosen[s, c, rep], c, n, args.max_tokens, offset=0)
         reps_of[label].setdefault((s, c), []).append(r)
         print(
-            f"[load] {label} {s} c={c} rep {rep + 1}: {r['tokens_per_s']:.2f} tokens/s, errors {r['errors']}",
+            f"[load] {label} {s} c={c} rep {rep + 1}: {r['tokens_per_s']:.2f} tokens/s, errors {r['errors']}"
+            + (f" (first: {r['error_examples'][0]})" if r["error_examples"] else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -877,6 +878,11 @@ def main() -> int:
         help="also serve with llama.cpp's llama-server on the same GGUF files, plain and with -md "
         "(load scenario; known models only)",
     )
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more options for every `specdecode serve` started, e.g. '--no-carry-prefill'",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serve")
     args = ap.parse_args()
     bad = [s for s in args.chunked_settings.split(",") if s not in ("auto", "off") and not s.isdigit()]
@@ -900,6 +906,7 @@ def main() -> int:
         "reps": args.reps,
         "interleave": args.interleave,
         "threads": torch.get_num_threads(),
+        "server_args": args.server_args,
     }
     targets = []
     if "load" in scenarios:

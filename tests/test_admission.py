@@ -71,29 +71,36 @@ def generator(models, method: str) -> SpeculativeGenerator:
     )
 
 
+@pytest.mark.parametrize("ride", [False, True], ids=["own-forward", "riding"])
 @pytest.mark.parametrize(("method", "rule"), CASES)
-def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(models, method, rule):
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(models, method, rule, ride):
     """Two prompts (one of 170 tokens) admitted into a running batch and fed 7, 64 or 100
     tokens at a time, a round of the running row between chunks: each row's tokens are the
-    ones it gets prefilled whole in a batch of its own."""
+    ones it gets prefilled whole in a batch of its own. riding: each chunk rides the running
+    row's round (one pass over the weights, LlamaModel.ride), as the server runs them."""
     params = PARAMS[rule]
     prompts = [TEXT + "曹操", TEXT[:40]]
     whole = generator(models, method).generate(prompts, params)
     gen = generator(models, method)
+    target = models["target"]
     run = gen.stream([TEXT[:10]], params)
-    admitted = []
+    admitted, carried = [], 0
     for budget in (7, 64, 100):
         prefill = run.begin(prompts, params)
         steps = 0
         while not prefill.done:
-            assert prefill.step(budget) <= budget
+            assert prefill.step(budget, ride) <= budget
+            waiting = bool(target.riders)
             next(run, None)
+            carried += waiting and not target.riders
+            target.flush_riders()  # what no round carried (the running row has finished)
             steps += 1
         assert steps > 1 or budget == 100 and method == "none"
         admitted.append(run.join(prefill))
     results = run.results()
     for ids in admitted:
         assert [results[i].token_ids for i in ids] == [r.token_ids for r in whole]
+    assert (carried > 0) == ride
 
 
 @pytest.mark.parametrize("method", ["draft", "auto"])

@@ -361,3 +361,56 @@ def test_a_deferred_row_warmed_later_holds_the_draft_keys_of_a_row_prefilled_at_
     monkeypatch.setattr(DraftModelDrafter, "_keep_cold", staticmethod(lambda state, held: None))
     broken, _ = warmed_keys()
     assert not torch.equal(ref.state.cache.k[:, 0, ..., :n, :], broken[..., :n, :])
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8a8"])
+def test_a_forward_carrying_riders_gives_every_call_the_bits_it_gets_alone(tmp_path, fmt):
+    """A server's prompt chunks ride the running rows' round (LlamaModel.ride): one pass over
+    the weights, their rows stacked in every projection, each call attending in its own cache.
+    The round's logits, each rider's logits and hidden states, and every key and value written
+    equal those of the same forwards made one after another."""
+    from specdecode.models.base import ForwardMeta
+    from specdecode.models.init import init_model
+
+    path = init_model(
+        tmp_path / "m", vocab=64, layers=2, dim=128, heads=4, kv_heads=2, intermediate=96, seed=5
+    )
+    dtype, quant = (torch.float32, "w8a8") if fmt == "w8a8" else (DTYPES[fmt], None)
+    model = load(str(path), dtype=dtype, quant=quant)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 64, (3, 120), generator=g)
+
+    def setup():
+        batch = model.new_cache(2, 160, invariant=True)  # two rows decoding, at lengths 30 and 75
+        for b, n in ((0, 30), (1, 75)):
+            row = batch.row(b)
+            model.forward(seq[b : b + 1, :n], row)
+            batch.lengths[b] = n
+        prompt = model.new_cache(1, 160, invariant=True)  # an admission, 20 tokens in
+        model.forward(seq[2:3, :20], prompt)
+        return batch, prompt
+
+    round_tokens = torch.stack([seq[0, 30:33], seq[1, 75:78]])  # a verification of 3 per row
+    chunk, meta = seq[2:3, 20:61], ForwardMeta(return_hidden=True, logits_at=torch.tensor([40]))
+    batch, prompt = setup()
+    alone_round = model.forward(round_tokens, batch)[0]
+    alone_logits, alone_hidden = model.forward(chunk, prompt, meta)
+    alone_slots = [_slots(c) for c in (batch, prompt)]
+
+    batch, prompt = setup()
+    got = []
+    model.ride(chunk, prompt, meta, lambda logits, hidden: got.append((logits, hidden)))
+    carried_round = model.forward(round_tokens, batch)[0]
+    assert len(got) == 1 and not model.riders  # carried by that forward
+    assert torch.equal(carried_round, alone_round)
+    assert torch.equal(got[0][0], alone_logits) and torch.equal(got[0][1], alone_hidden)
+    for (k, v), (k0, v0), n in zip((_slots(c) for c in (batch, prompt)), alone_slots, (78, 61)):
+        assert torch.equal(k[..., :n, :], k0[..., :n, :]) and torch.equal(v[..., :n, :], v0[..., :n, :])
+    assert prompt.lengths.tolist() == [61] and batch.lengths.tolist() == [33, 78]
+
+    # a forward that cannot carry (an early exit) leaves the rider for the next one
+    model.ride(seq[2:3, 61:70], prompt, ForwardMeta(), lambda *out: got.append(out))
+    model.forward(seq[:2, 33:34], model.new_cache(2, 160, invariant=True), ForwardMeta(num_layers=1))
+    assert len(got) == 1 and len(model.riders) == 1
+    model.flush_riders()
+    assert len(got) == 2 and not model.riders and prompt.lengths.tolist() == [70]

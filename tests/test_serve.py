@@ -288,12 +288,13 @@ def test_32_concurrent_clients_match_offline_and_alone(server, chat_target):
 @pytest.mark.heavy
 def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_token(server, chat_target):
     """A 400-token prompt arrives while 8 streams decode: it is fed in chunks of the server's
-    token budget between their rounds (they keep getting tokens meanwhile), and every answer is
+    token budget riding their rounds (they keep getting tokens meanwhile), and every answer is
     offline generation's."""
     offline_gen = make_gen(chat_target)
     greedy = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
     long_prompt = [(13 * j) % 1900 + 20 for j in range(400)]
     fed = metric(server, "specdecode:prefill_tokens_total")
+    carried = metric(server, "specdecode:prefill_carried_tokens_total")
     rounds = server.engine.rounds
 
     def request(i: int) -> tuple[int, dict]:
@@ -324,6 +325,7 @@ def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_to
         offline_gen.generate([p], greedy)[0].text for p in prompts
     ]
     assert metric(server, "specdecode:prefill_tokens_total") - fed >= 399 - 64  # less what the cache had
+    assert metric(server, "specdecode:prefill_carried_tokens_total") > carried  # chunks rode the rounds
     assert server.engine.rounds > rounds
 
 
@@ -1025,3 +1027,25 @@ def metric_value(metrics: Metrics, name: str) -> float:
         if line.startswith(f"specdecode:{name}") and not line.startswith("#") and "_created" not in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_the_riding_chunk_budget_stays_bounded_when_a_carrying_round_reads_no_slower(chat_target):
+    """What a riding token adds to a round is a difference of two noisy times: when the rounds
+    that carried chunks ran no slower than the others it reads 0, and the budget must stay a
+    bounded token count (it divided by zero, and every admission failed after it); a measured
+    cost sizes the chunk to about 3/4 of a round; with carrying off the chunk's own cost does."""
+    from types import SimpleNamespace
+
+    gen = make_gen(chat_target)
+    loop = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto")
+    assert loop._rides() and loop._chunk_budget() == 32  # nothing measured yet
+    loop.round_s = 0.1
+    loop._timed(SimpleNamespace(rows=[0]), 0.09, 0.0, carried=20)  # carried 20, ran faster
+    assert loop.ride_token_s == 0.0
+    assert loop._chunk_budget() == 192
+    loop.ride_token_s = 0.005
+    assert loop._chunk_budget() == 16  # 0.75 x 0.1 / 0.005 = 15, at least 16
+    assert loop.round_s == 0.1  # a carrying round is not a round's cost
+    off = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto", carry=False)
+    off.round_s, off.token_s, off.ride_token_s = 0.1, 0.001, 0.0
+    assert not off._rides() and off._chunk_budget() == 75

@@ -93,6 +93,13 @@ def register(sub) -> None:
         "is admitted; 0: prefill each prompt whole",
     )
     s.add_argument(
+        "--no-carry-prefill",
+        action="store_true",
+        help="run each prefill chunk as a forward of its own (default: a chunk rides the running rows' "
+        "round, one pass over the target's weights for both, as vLLM batches prefill and decode tokens; "
+        "exact: it needs the batch-invariant forward)",
+    )
+    s.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn automatic prefix caching off (default on: the keys and values of earlier prompts and "
@@ -190,6 +197,7 @@ def build(args: argparse.Namespace):
         default_max_tokens=args.max_tokens,
         sampling_rule=args.sampling_rule,
         max_num_batched_tokens=args.max_num_batched_tokens or None,
+        carry_prefill=not args.no_carry_prefill,
     )
     return gen, server
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..models.base import extend
+from ..models.base import extend, extend_call
 from ..models.cache import BLOCK, KVCache
 from .prefix import PrefixCache
 from .rows import Rows
@@ -92,6 +92,7 @@ class Prefill:
         # [B, 1, V] the logits after each prompt's last token, once fed (first=True only)
         self.first_logits: torch.Tensor | None = None
         self._logits: list[torch.Tensor | None] = []
+        self.riding = False  # a step of the target rides the next forward (_target_step)
         plain = self.drafter is None or bool(self.deferred.all())
         if first and plain and prefix_capable(spec, self.cache):
             self.goal = rows.lengths.clone()  # every prompt token, the last one too
@@ -99,6 +100,8 @@ class Prefill:
 
     @property
     def done(self) -> bool:
+        if self.riding:  # a step waits for the forward that carries it
+            return False
         target = bool((self.cache.lengths >= self.goal).all())
         return target and (self.drafted is None or bool((self.deferred | (self.drafted >= self.goal)).all()))
 
@@ -129,18 +132,21 @@ class Prefill:
             self.reused[b] = len(blocks) * BLOCK
 
     @torch.inference_mode()
-    def step(self, budget: int | None) -> int:
+    def step(self, budget: int | None, ride: bool = False) -> int:
         """Prefill up to `budget` more prompt tokens (None: all that remain), the earliest rows
         first; returns how many the target was fed (0 for a step of a draft model's own, which
-        feeds it up to `budget` tokens the target already has)."""
+        feeds it up to `budget` tokens the target already has). ride: the target's forwards
+        ride the next forward of the running rows (_target_step); the step is done after it."""
+        if self.riding:
+            return 0
         if budget is None:
-            fed = self._target_step(None)
+            fed = self._target_step(None, ride)
             self._draft_step(None)
             return fed
         if self.drafted is not None:
             lags = bool(((self.drafted < self.cache.lengths) & ~self.deferred).any())
             if not lags and self.remaining <= budget:  # the rest fits: both in this step
-                fed = self._target_step(budget)
+                fed = self._target_step(budget, ride)
                 self._draft_step(None)
                 return fed
             target_done = bool((self.cache.lengths >= self.goal).all())
@@ -149,7 +155,7 @@ class Prefill:
                 self._draft_step(budget)
                 return 0
             self._draft_turn = True
-        return self._target_step(budget)
+        return self._target_step(budget, ride)
 
     def _draft_step(self, budget: int | None) -> None:
         """Bring the draft model's cache up to `budget` tokens nearer the target's."""
@@ -166,7 +172,11 @@ class Prefill:
             self.draft_fed += fed
         self.drafted = self.drafted + todo
 
-    def _target_step(self, budget: int | None) -> int:
+    def _target_step(self, budget: int | None, ride: bool = False) -> int:
+        """Feed the target up to `budget` more prompt tokens. ride: let the next forward of the
+        target that can carry them (the running rows' round) make this step's forwards in its
+        own pass (LlamaModel.ride; batch-invariant caches only, so no bit changes): the step
+        completes in that forward (`riding` until then), or in the target's flush_riders()."""
         start = self.cache.lengths.clone()
         todo = (self.goal - start).clamp(min=0)
         if budget is not None:
@@ -180,35 +190,58 @@ class Prefill:
         needs, aux = spec.needs, spec.needs.aux_layers
         # the rows whose prompt this step completes keep their last logits (first=True)
         first = bool(self._logits) and bool(((todo > 0) & (upto >= self.goal)).any())
+        # the forwards: all rows at once, or row by row (a row's cache holds what it would hold
+        # in a batch of one): (row, the cache the forward writes, its tokens, its lengths)
         if not (spec.invariant and rows.size > 1):
-            logits, hidden = extend(spec.target, cache, rows.tokens, upto, needs.hidden, first, aux)
-            if first:
-                self._keep_logits(range(rows.size), upto, logits)
-        else:  # row by row: a row's cache holds what it would hold in a batch of one
-            hiddens = []
-            for b in range(rows.size):
-                if int(todo[b]) == 0:
-                    hiddens.append(None)
+            parts = [(None, cache, rows.tokens, upto)]
+        else:
+            parts = [
+                (b, cache.row(b), rows.tokens[b : b + 1], upto[b : b + 1])
+                for b in range(rows.size)
+                if int(todo[b]) > 0
+            ]
+        results: list = [None] * len(parts)
+
+        def after() -> None:  # every forward of the step made: the bookkeeping after them
+            hiddens: list = [None] * rows.size
+            hidden = None
+            for (b, _, _, _), (logits, h) in zip(parts, results):
+                if b is None:
+                    hidden = h
+                    if first:
+                        self._keep_logits(range(rows.size), upto, logits)
                     continue
-                logits, h = extend(
-                    spec.target,
-                    cache.row(b),
-                    rows.tokens[b : b + 1],
-                    upto[b : b + 1],
-                    needs.hidden,
-                    first,
-                    aux,
-                )
                 cache.lengths[b] = upto[b]
                 if first:
                     self._keep_logits([b], upto, logits, at=0)
-                hiddens.append(h)
-            hidden = _stack(hiddens, rows.size) if needs.hidden else None
-        if self.drafter is not None:
-            if hidden is not None:  # features of the tokens just fed
-                self.drafter.observe(self.state, hidden, start, todo)
-            if self.drafted is None:
-                self.drafter.prefill(self.state, rows.context(), upto)
+                hiddens[b] = h
+            if parts[0][0] is not None:
+                hidden = _stack(hiddens, rows.size) if needs.hidden else None
+            if self.drafter is not None:
+                if hidden is not None:  # features of the tokens just fed
+                    self.drafter.observe(self.state, hidden, start, todo)
+                if self.drafted is None:
+                    self.drafter.prefill(self.state, rows.context(), upto)
+            self.riding = False
+
+        target = spec.target
+        calls = [extend_call(c, t, n, needs.hidden, first, aux) for _, c, t, n in parts]
+        if ride and getattr(target, "ride", None) is not None and all(
+            call is not None and target.can_carry(part[1], call[1]) for part, call in zip(parts, calls)
+        ):
+            self.riding = True
+            for j, ((_, c, _, _), (feed, meta, finish)) in enumerate(zip(parts, calls)):
+
+                def done(logits, hidden, j=j, finish=finish) -> None:
+                    results[j] = finish(logits, hidden)
+                    if all(r is not None for r in results):
+                        after()
+
+                target.ride(feed, c, meta, done)
+            return fed
+        for j, (_, c, t, n) in enumerate(parts):
+            results[j] = extend(target, c, t, n, needs.hidden, first, aux)
+        after()
         return fed
 
     def _keep_logits(self, rows, upto: torch.Tensor, logits: torch.Tensor, at: int | None = None) -> None:

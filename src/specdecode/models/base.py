@@ -118,6 +118,25 @@ def extend(
     cache is rewound to the true lengths (the padding is never attended to again). A row
     with nothing to feed returns meaningless logits.
     """
+    call = extend_call(cache, tokens, lengths, return_hidden, need_logits, aux_layers)
+    if call is None:
+        return _extend_in_chunks(model, cache, tokens, lengths, return_hidden, need_logits, aux_layers)
+    feed, meta, finish = call
+    return finish(*model.forward(feed, cache, meta))
+
+
+def extend_call(
+    cache: Cache,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    return_hidden: bool = False,
+    need_logits: bool = True,
+    aux_layers: tuple[int, ...] | None = None,
+):
+    """extend() as one forward to make: (the tokens to feed, its ForwardMeta, finish), where
+    finish(logits, hidden) of that forward rewinds the cache to `lengths` and returns what
+    extend() returns; None when one forward would write past the cache's end (extend() feeds
+    such rows in chunks). A forward that carries riders (LlamaModel.ride) makes it there."""
     start = cache.lengths.clone()
     todo = lengths - start  # [B]
     n = int(todo.max())
@@ -126,20 +145,23 @@ def extend(
     B = tokens.shape[0]
     capacity = getattr(cache, "capacity", None)
     if capacity is not None and int(start.max()) + n > capacity:
-        return _extend_in_chunks(model, cache, tokens, lengths, return_hidden, need_logits, aux_layers)
+        return None
     idx = (start.view(B, 1) + torch.arange(n, device=tokens.device).view(1, n)).clamp(max=tokens.shape[1] - 1)
     last = (todo - 1).clamp(min=0)
     meta = ForwardMeta(
         return_hidden=return_hidden, logits_at=last, need_logits=need_logits, aux_layers=aux_layers
     )
-    logits, hidden = model.forward(tokens.gather(1, idx), cache, meta)  # [B, n or 1, V], [B, n, hidden]
-    cache.rewind(lengths)
-    if not need_logits or logits is None:
-        return None, hidden
-    if logits.shape[1] == 1:  # the runtime computed just the asked positions
-        return logits[:, 0], hidden
-    at_last = logits.gather(1, last.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
-    return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i
+
+    def finish(logits, hidden):  # logits [B, n or 1, V], hidden [B, n, hidden]
+        cache.rewind(lengths)
+        if not need_logits or logits is None:
+            return None, hidden
+        if logits.shape[1] == 1:  # the runtime computed just the asked positions
+            return logits[:, 0], hidden
+        at_last = logits.gather(1, last.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
+        return at_last, hidden  # hidden[b, i]: the final hidden state of token start[b] + i
+
+    return tokens.gather(1, idx), meta, finish
 
 
 def chunk_steps(cache: Cache, todo: torch.Tensor, at_least_once: bool = False):

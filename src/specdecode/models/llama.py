@@ -347,6 +347,8 @@ class LlamaModel:
         self.max_positions: int | None = None  # RoPE: no hard limit
         # hybrid models: how new caches roll linear-attention states back (snapshot, recompute)
         self.rollback = "snapshot"
+        # forwards waiting to be carried through the next forward's pass (ride())
+        self.riders: list = []
 
     # -- capabilities (the engine and drafters ask these, never the class) ------------------
     lean = True  # our runtime: token trees, offsets, early exit, fused inputs, aux layers
@@ -491,6 +493,35 @@ class LlamaModel:
             self._sin = sin.to(self.device, self.dtype)
             self._rope_len = n
 
+    # -- riders: forwards of other caches carried through another forward's pass ------------
+    def ride(self, tokens: torch.Tensor, cache: KVCache, meta: ForwardMeta, done) -> None:
+        """Have tokens [B, T] appended to `cache` by the next forward that can carry them (the
+        same layers, one pass over the weights for both: a server's prompt chunk inside the
+        running rows' round, as vLLM's chunked prefill batches them); done(logits, hidden) is
+        called with this forward's results right after that pass. Only between batch-invariant
+        caches (can_carry), where a token's keys, values and logits do not depend on what else
+        shares the forward, so carrying changes no bit; flush_riders() runs what was not carried."""
+        self.riders.append((tokens, cache, meta, done))
+
+    def can_carry(self, cache, meta: ForwardMeta = PLAIN) -> bool:
+        """Whether a forward into `cache` with `meta` may carry riders (and a rider may ride)."""
+        return (
+            getattr(cache, "invariant", False)
+            and type(cache) is KVCache
+            and not self.cfg.linear_layers
+            and meta.num_layers is None
+            and not any(layer.hidden_norm_s is not None for layer in self.layers)
+        )
+
+    @torch.inference_mode()
+    def flush_riders(self) -> None:
+        """Run the riders no forward carried, on their own."""
+        riders, self.riders = self.riders, []
+        if riders:
+            outs = self._forward_calls([(t, c, m) for t, c, m, _ in riders])
+            for (*_, done), out in zip(riders, outs):
+                done(*out)
+
     @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, cache: KVCache, meta: ForwardMeta = PLAIN
@@ -503,31 +534,61 @@ class LlamaModel:
         layers, by plan_forward (models/forward_plan.py); this is embed -> blocks -> norm ->
         head, and each block reads the plan. meta (ForwardMeta) covers early exits
         (num_layers), token trees (positions, tree_mask), drafts written past the length
-        (offset, advance=False) and EAGLE's fused inputs (inputs_embeds).
+        (offset, advance=False) and EAGLE's fused inputs (inputs_embeds). Riders (ride()) go
+        through the same pass when this forward can carry them.
         """
-        c, plan = self.cfg, plan_forward(self, tokens, cache, meta)
-        B, T = tokens.shape
-        x = (
-            F.embedding(tokens, self.embed).to(self.dtype)
-            if meta.inputs_embeds is None
-            else meta.inputs_embeds
-        )
-        x = x.reshape(B * T, c.hidden_size)
+        riders = []
+        if self.riders and self.can_carry(cache, meta):
+            riders, self.riders = self.riders, []
+        outs = self._forward_calls([(tokens, cache, meta), *((t, c, m) for t, c, m, _ in riders)])
+        for (*_, done), out in zip(riders, outs[1:]):
+            done(*out)
+        return outs[0]
+
+    def _forward_calls(self, calls: list) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """forward() for several (tokens, cache, meta) at once: their rows share every
+        projection's GEMM (stacked), each attends in its own cache by its own plan."""
+        c = self.cfg
+        plans = [plan_forward(self, tokens, cache, meta) for tokens, cache, meta in calls]
+        xs = [
+            (F.embedding(tokens, self.embed).to(self.dtype) if m.inputs_embeds is None else m.inputs_embeds)
+            for tokens, _, m in calls
+        ]
+        xs = [x.reshape(-1, c.hidden_size) for x in xs]
+        sizes = [x.shape[0] for x in xs]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        jobs = [(tokens, cache, plan) for (tokens, cache, _), plan in zip(calls, plans)]
+        aux_at = set().union(*(p.aux_layers for p in plans))
         aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
-        for i, layer in enumerate(plan.layers):
-            if i in plan.aux_layers:
+        head = plans[0]  # the layers, invariance and eps every call shares (can_carry)
+        for i, layer in enumerate(head.layers):
+            if i in aux_at:
                 aux[i] = x
-            block = _linear_attention_block if layer.linear else _attention_block
-            x = block(self, i, layer, x, tokens, cache, plan)
-        aux[len(plan.layers)] = x  # the last layer's output, before the final norm
-        if plan.advance:
-            cache.advance(T)
-        x = _rms_norm(x, self._final_norm_s, plan.d_eps, plan.invariant)
+            if layer.linear:
+                tokens, cache, plan = jobs[0]
+                x = _linear_attention_block(self, i, layer, x, tokens, cache, plan)
+            else:
+                x = _attention_block(self, i, layer, x, jobs, sizes)
+        aux[len(head.layers)] = x  # the last layer's output, before the final norm
+        for (tokens, cache, _), plan in zip(jobs, plans):
+            if plan.advance:
+                cache.advance(tokens.shape[1])
+        x = _rms_norm(x, self._final_norm_s, head.d_eps, head.invariant)
+        outs, start = [], 0
+        for (tokens, _, meta), plan, n in zip(calls, plans, sizes):
+            outs.append(self._outputs(x.narrow(0, start, n), tokens.shape, meta, plan, aux, start, n))
+            start += n
+        return outs
+
+    def _outputs(self, x, shape, meta: ForwardMeta, plan: ForwardPlan, aux: dict, start: int, n: int):
+        """One call's (logits, hidden) from its rows x [B * T, hidden] of the final-normed stream
+        (rows start .. start + n of the pass's)."""
+        B, T = shape
         hidden = x.view(B, T, -1) if meta.return_hidden else None
         if plan.aux_layers:
             if not all(i in aux for i in plan.aux_layers):
                 raise SpecDecodeError(f"aux layers {plan.aux_layers} are not all in 0..{len(plan.layers)}")
-            hidden = torch.cat([aux[i] for i in plan.aux_layers], -1).view(B, T, -1)
+            hidden = torch.cat([aux[i].narrow(0, start, n) for i in plan.aux_layers], -1).view(B, T, -1)
         if not meta.need_logits:
             return None, hidden
         if meta.logits_at is not None and T > 1:  # only the positions asked for
@@ -545,35 +606,38 @@ def _mlp(model: LlamaModel, layer: _Layer, x: torch.Tensor, plan: ForwardPlan) -
     return layer.down(act, residual=x, invariant=inv)
 
 
-def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache, plan: ForwardPlan):
-    """One decoder layer with softmax attention: norm, q|k|v (Qwen2's biases live in the
-    projection; Qwen3's per-head q/k norms here; EAGLE-3's input layer reads the token's
-    embedding beside the fed feature), RoPE, the cache write, attention as the plan says, MLP."""
-    c, inv = model.cfg, plan.invariant
-    B, T = tokens.shape
+def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
+    """One decoder layer with softmax attention over the rows x of one or more forwards (jobs:
+    (tokens, cache, plan) each, sizes: their rows in x): norm and q|k|v for all rows at once
+    (Qwen2's biases live in the projection; EAGLE-3's input layer reads the token's embedding
+    beside the fed feature), then per forward Qwen3's per-head q/k norms, RoPE, the cache write
+    and attention as its plan says; the output projection and MLP for all rows again."""
+    c, inv, d_eps = model.cfg, jobs[0][2].invariant, jobs[0][2].d_eps
     H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     if layer.hidden_norm_s is None:
-        h = _rms_norm(x, layer.attn_norm_s, plan.d_eps, inv)
-    else:  # EAGLE-3: the token's embedding beside the fed feature
-        e = F.embedding(tokens, model.embed).to(model.dtype).reshape(B * T, c.hidden_size)
+        h = _rms_norm(x, layer.attn_norm_s, d_eps, inv)
+    else:  # EAGLE-3 (one forward): the token's embedding beside the fed feature
+        e = F.embedding(jobs[0][0], model.embed).to(model.dtype).reshape(-1, c.hidden_size)
         h = torch.cat(
-            [
-                _rms_norm(e, layer.attn_norm_s, plan.d_eps, inv),
-                _rms_norm(x, layer.hidden_norm_s, plan.d_eps, inv),
-            ],
-            -1,
+            [_rms_norm(e, layer.attn_norm_s, d_eps, inv), _rms_norm(x, layer.hidden_norm_s, d_eps, inv)], -1
         )
-    qkv = layer.qkv(h, invariant=inv).view(B, T, H + 2 * Hkv, D)
-    qk = qkv[:, :, : H + Hkv]
-    if layer.qk_norm_s is not None:  # qwen3: each head's query and key normed over D
-        qk = _rms_norm(qk, layer.qk_norm_s, D * c.rms_norm_eps, inv)
-    qk = torch.addcmul(qk * plan.cos, qk.roll(D // 2, -1), plan.sin)  # RoPE on q and k at once
-    k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+    qkv_all = layer.qkv(h, invariant=inv)
     kv = model.kv_index[i]
-    keys, values = plan.write_kv(cache.layer_k[kv], cache.layer_v[kv], k, v)
-    attn = plan.attend(qk[:, :, :H], keys, values, cache.layer_k[kv], cache.layer_v[kv])
+    outs, start = [], 0
+    for (tokens, cache, plan), n in zip(jobs, sizes):
+        B, T = tokens.shape
+        qkv = (qkv_all if len(jobs) == 1 else qkv_all.narrow(0, start, n)).view(B, T, H + 2 * Hkv, D)
+        start += n
+        qk = qkv[:, :, : H + Hkv]
+        if layer.qk_norm_s is not None:  # qwen3: each head's query and key normed over D
+            qk = _rms_norm(qk, layer.qk_norm_s, D * c.rms_norm_eps, inv)
+        qk = torch.addcmul(qk * plan.cos, qk.roll(D // 2, -1), plan.sin)  # RoPE on q and k at once
+        k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+        keys, values = plan.write_kv(cache.layer_k[kv], cache.layer_v[kv], k, v)
+        outs.append(plan.attend(qk[:, :, :H], keys, values, cache.layer_k[kv], cache.layer_v[kv]))
+    attn = outs[0] if len(outs) == 1 else torch.cat(outs)
     x = layer.o(attn, residual=x, invariant=inv)
-    return _mlp(model, layer, x, plan)
+    return _mlp(model, layer, x, jobs[0][2])
 
 
 def _linear_attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache, plan: ForwardPlan):

@@ -57,15 +57,19 @@ class Server:
         default_max_tokens: int = 256,
         sampling_rule: str = "auto",
         max_num_batched_tokens: int | None = None,
+        carry_prefill: bool = True,
     ) -> None:
         """sampling_rule: the rule of requests that name none: standard, invariant, or auto
         (invariant for seeded requests, standard otherwise). max_num_batched_tokens: the tokens
         one engine iteration feeds at most, decoding rows and prefill chunks together (None:
-        admissions are prefilled whole). Prefix caching is the generator's
-        (SpeculativeGenerator.enable_prefix_cache)."""
+        admissions are prefilled whole). carry_prefill: a prompt chunk rides the running rows'
+        round (one pass over the weights for both) where the forward is batch-invariant. Prefix
+        caching is the generator's (SpeculativeGenerator.enable_prefix_cache)."""
         self.gen = gen
         self.metrics = Metrics()
-        self.engine = EngineLoop(gen, self.metrics, max_batch, max_queue, max_num_batched_tokens)
+        self.engine = EngineLoop(
+            gen, self.metrics, max_batch, max_queue, max_num_batched_tokens, carry=carry_prefill
+        )
         self.max_model_len = max_model_len or context_length(gen)
         self.app = create_app(self.engine, model_id, self.max_model_len, default_max_tokens, sampling_rule)
         self._uvicorn = None

@@ -85,12 +85,15 @@ class EngineLoop:
         max_batch: int = 32,
         max_queue: int = 256,
         max_batched_tokens: int | str | None = None,
+        carry: bool = True,
     ) -> None:
         """max_batched_tokens: the tokens one iteration may feed the target, the running rows'
         (1 + k each) and prefill chunks together (at least 16 tokens of prefill); "auto": prefill
         chunks sized to cost about 3/4 of a round (from the measured seconds per prefilled token
         and per round), so a running row's inter-token latency stays under twice its value
-        while a long prompt is admitted; None: prefill each admission whole."""
+        while a long prompt is admitted; None: prefill each admission whole. carry: a prefill
+        chunk rides the running rows' round, one pass over the weights for both (_rides), where
+        the forward is batch-invariant; False: each chunk is a forward of its own."""
         self.gen, self.metrics = gen, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
         if max_batched_tokens not in (None, "auto") and not (
@@ -102,6 +105,11 @@ class EngineLoop:
         self.max_batched_tokens = max_batched_tokens
         self.round_s: float | None = None  # running mean of a round's seconds (auto chunks)
         self.token_s: float | None = None  # running mean of seconds per prefilled token
+        # prompt chunks ride the running rows' round (_rides; carry=False: each runs on its own):
+        # the tokens riding this iteration, and the running mean of what one adds to a round
+        self.carry = carry
+        self.riding = 0
+        self.ride_token_s: float | None = None
         # running means of the draft model's prefill seconds per token and of an answer's
         # tokens (the payback rule, _worth), and the admissions since one was let explore
         self.draft_token_s: float | None = None
@@ -177,6 +185,7 @@ class EngineLoop:
                 overhead = time.perf_counter() - t0
                 if self.running:
                     self._round(overhead)
+                self._settle()
             except Exception as e:  # noqa: BLE001 — the loop must survive anything
                 self._fail_all(e)
 
@@ -389,11 +398,14 @@ class EngineLoop:
                 self._draft_prefill_seen()
             return
         budget = self._chunk_budget() if self.running else None
+        ride = budget is not None and self._rides()
         for req, prefill in list(self.prefilling):
             try:
                 t0 = time.perf_counter()
-                fed = prefill.step(budget)
-                if fed:
+                fed = prefill.step(budget, ride)
+                if prefill.riding:
+                    self.riding += fed
+                elif fed:
                     self.token_s = _mean(self.token_s, (time.perf_counter() - t0) / fed)
                 self.metrics.prefill_tokens.inc(fed)
                 if prefill.done:
@@ -413,14 +425,39 @@ class EngineLoop:
         self._draft_prefill_seen()
         self._prefix_metrics()
 
+    def _rides(self) -> bool:
+        """Prompt chunks ride the running rows' round (one pass over the target's weights for
+        both, LlamaModel.ride): where the target carries riders and its forward is
+        batch-invariant, so that sharing the pass changes no token's keys, values or logits."""
+        target = self.gen.spec.target
+        return self.carry and getattr(target, "ride", None) is not None and bool(self.gen.spec.invariant)
+
+    def _settle(self) -> None:
+        """After the round: prompt chunks it did not carry run on their own, and the admissions
+        whose prompts are now cached join the batch (their first tokens come at the next round)."""
+        target = self.gen.spec.target
+        if getattr(target, "riders", None):
+            target.flush_riders()
+        self.riding = 0
+        for req, prefill in list(self.prefilling):
+            if prefill.done:
+                self.prefilling.remove((req, prefill))
+                self._joined(req, self.run.join(prefill))
+
     def _chunk_budget(self) -> int | None:
-        """Prompt tokens this iteration may prefill while rows are decoding."""
+        """Prompt tokens this iteration may prefill while rows are decoding: with chunks riding
+        the round, as many as add 3/4 of a round to it at the measured seconds a riding token
+        adds (ride_token_s); else as many as take 3/4 of a round on their own."""
         if self.max_batched_tokens is None:
             return None
         if self.max_batched_tokens == "auto":
-            if self.round_s is None or self.token_s is None:
-                return 64
-            return int(min(max(0.75 * self.round_s / self.token_s, 16), 8192))
+            per_token = self.ride_token_s if self._rides() else self.token_s
+            if self.round_s is None or per_token is None:
+                return 32 if self._rides() else 64
+            # a riding token's cost is a difference of two noisy times, 0 when the carrying rounds
+            # ran no slower: at most 192 tokens ride a round however small it reads
+            per_token = max(per_token, self.round_s / 256)
+            return int(min(max(0.75 * self.round_s / per_token, 16), 8192))
         decode = len(self.running) * (1 + (self.gen.k if self.gen.drafter is not None else 0))
         return max(self.max_batched_tokens - decode, 16)
 
@@ -453,12 +490,15 @@ class EngineLoop:
         else in the next iteration, after the new rows' draft models were fed (_warm)."""
         run = self.run
         joined: set[int] = set()
+        target = self.gen.spec.target
         while True:
             t0 = time.perf_counter()
+            carrying = self.riding if getattr(target, "riders", None) else 0
             event = next(run)
             now = time.perf_counter()
             if event.forward:
-                self._timed(event, now - t0, overhead)
+                carried = carrying if not getattr(target, "riders", None) else 0
+                self._timed(event, now - t0, overhead, carried)
             verdict = event.verdict
             drafted, accepted = verdict.draft_lengths.tolist(), verdict.accepted.tolist()
             emitted = sum(len(e) for e in event.emitted)
@@ -468,10 +508,17 @@ class EngineLoop:
             if event.forward or not self.running.keys() - joined:
                 return
 
-    def _timed(self, event, seconds: float, overhead: float) -> None:
-        """A round's wall time: the running mean (auto chunks) and the load-aware policy's."""
+    def _timed(self, event, seconds: float, overhead: float, carried: int = 0) -> None:
+        """A round's wall time: the running mean (auto chunks) and the load-aware policy's. A
+        round that carried `carried` prompt tokens (_rides) teaches only what a riding token adds
+        to a round (ride_token_s), not what a round costs."""
         run = self.run
         self.rounds += 1
+        if carried:
+            self.metrics.carried_tokens.inc(carried)
+            if self.round_s is not None:
+                self.ride_token_s = _mean(self.ride_token_s, max(seconds - self.round_s, 0.0) / carried)
+            return
         self.round_s = _mean(self.round_s, seconds)
         record = getattr(run.policy, "record", None)
         if record is not None:  # the load-aware policy learns what rounds really cost
@@ -532,6 +579,9 @@ class EngineLoop:
         self.requests.clear()
         self.running.clear()
         self.prefilling.clear()
+        if getattr(self.gen.spec.target, "riders", None):
+            self.gen.spec.target.riders.clear()
+        self.riding = 0
         self.run = None
         self._gauges()
 

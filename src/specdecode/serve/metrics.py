@@ -73,6 +73,11 @@ class Metrics:
         self.prefill_tokens = Counter(
             P + "prefill_tokens", "Prompt tokens prefilled (not taken from the prefix cache)", registry=r
         )
+        self.carried_tokens = Counter(
+            P + "prefill_carried_tokens",
+            "Prompt tokens prefilled inside the running rows' round (one pass over the weights for both)",
+            registry=r,
+        )
         self.deferred_rows = Counter(
             P + "draft_deferred_rows",
             "Rows admitted without the draft model's prefill (drafting did not pay at that load)",
