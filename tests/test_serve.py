@@ -62,11 +62,14 @@ PREFIX_BUDGET = 8 << 20  # about a dozen blocks of this target's (and its draft'
 def server(chat_target):
     """As `specdecode serve` runs by default: round costs measured at start and learned online,
     prefix caching on (a small budget, so tests run it full and evicting), chunked prefill (a
-    small budget, so prompts of more than 64 tokens are fed in chunks while others decode)."""
+    small budget, so prompts of more than 64 tokens are fed in chunks while others decode), and
+    the chunks riding the running rows' rounds (opt-in: --carry-prefill)."""
     gen = make_gen(chat_target)
     gen.load_costs = OnlineCosts(gen.measure_load_costs([1, 2, 4, 8, 16, 32]))
     gen.enable_prefix_cache(PREFIX_BUDGET)
-    srv = Server.start(gen, MODEL, max_batch=32, max_model_len=512, max_num_batched_tokens=96)
+    srv = Server.start(
+        gen, MODEL, max_batch=32, max_model_len=512, max_num_batched_tokens=96, carry_prefill=True
+    )
     yield srv
     srv.stop()
 
@@ -1037,7 +1040,7 @@ def test_the_riding_chunk_budget_stays_bounded_when_a_carrying_round_reads_no_sl
     from types import SimpleNamespace
 
     gen = make_gen(chat_target)
-    loop = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto")
+    loop = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto", carry=True)
     assert loop._rides() and loop._chunk_budget() == 32  # nothing measured yet
     loop.round_s = 0.1
     loop._timed(SimpleNamespace(rows=[0]), 0.09, 0.0, carried=20)  # carried 20, ran faster
@@ -1046,6 +1049,6 @@ def test_the_riding_chunk_budget_stays_bounded_when_a_carrying_round_reads_no_sl
     loop.ride_token_s = 0.005
     assert loop._chunk_budget() == 16  # 0.75 x 0.1 / 0.005 = 15, at least 16
     assert loop.round_s == 0.1  # a carrying round is not a round's cost
-    off = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto", carry=False)
+    off = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto")  # carrying is opt-in
     off.round_s, off.token_s, off.ride_token_s = 0.1, 0.001, 0.0
     assert not off._rides() and off._chunk_budget() == 75
