@@ -881,7 +881,7 @@ def main() -> int:
     ap.add_argument(
         "--server-args",
         default="",
-        help="more options for every `specdecode serve` started, e.g. '--no-carry-prefill'",
+        help="more options for every `specdecode serve` started, e.g. --server-args=--carry-prefill",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serve")
     args = ap.parse_args()

@@ -97,8 +97,8 @@ def register(sub) -> None:
         action="store_true",
         help="let a prefill chunk ride the running rows' round, one pass over the target's weights for "
         "both, as vLLM batches prefill and decode tokens (1.1-1.2x at c = 4 on the 1.5B pair; needs the "
-        "batch-invariant forward). Opt-in: one of four measured runs gave 12 of 32 greedy answers other "
-        "than speculation off's, not yet explained (docs/serving.md)",
+        "batch-invariant forward). Opt-in: with it drafting servers gave some greedy answers other than "
+        "speculation off's in measured runs, not yet explained (docs/serving.md)",
     )
     s.add_argument(
         "--no-prefix-cache",
