@@ -414,3 +414,30 @@ def test_a_forward_carrying_riders_gives_every_call_the_bits_it_gets_alone(tmp_p
     assert len(got) == 1 and len(model.riders) == 1
     model.flush_riders()
     assert len(got) == 2 and not model.riders and prompt.lengths.tolist() == [70]
+
+
+@bundled
+@pytest.mark.parametrize("threads", [2, 4])
+def test_a_prefill_gives_its_first_tokens_the_same_keys_whatever_its_length_and_thread_count(threads):
+    """The three-kingdoms target's MLP is 688 wide: torch splits its silu between threads at
+    rows x 688 / threads elements, mid-row for odd row counts, where the scalar exp takes over
+    from the vectorized one; the rows then go in one-thread slices (models/llama.py _mlp). Whole
+    prefills of 58 to 199 tokens must give tokens 0..57 the keys and values of the 58-token one
+    in every layer (without the slicing: 65 and 99 tokens differ on 2 threads, more on 4)."""
+    target = load(models_dir() / FAMILY / "target")
+    tokens = torch.randint(20, 1900, (1, 200), generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+
+        def prefill(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            cache = target.new_cache(1, n + 1, invariant=True)
+            target.forward(tokens[:, :n], cache)
+            return cache.k[:, 0, :, :58].clone(), cache.v[:, 0, 0, :, :58].clone()
+
+        keys, values = prefill(58)
+        for n in (64, 65, 70, 99, 100, 129, 130, 150, 199):
+            k, v = prefill(n)
+            assert torch.equal(k, keys) and torch.equal(v, values), n
+    finally:
+        torch.set_num_threads(before)

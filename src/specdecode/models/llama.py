@@ -602,8 +602,35 @@ def _mlp(model: LlamaModel, layer: _Layer, x: torch.Tensor, plan: ForwardPlan) -
     inv, inter = plan.invariant, model.cfg.intermediate_size
     h = _rms_norm(x, layer.mlp_norm_s, plan.d_eps, inv)
     gate_up = layer.gate_up(h, invariant=inv)
-    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    if inv and not _splits_whole_vectors(gate_up.shape[0], inter):
+        act = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+        step = max(1, (_GRAIN - 1) // inter)  # rows that torch runs on one thread
+        for r in range(0, gate_up.shape[0], step):
+            g = gate_up[r : r + step]
+            torch.mul(F.silu(g[:, :inter]), g[:, inter:], out=act[r : r + step])
+    else:
+        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     return layer.down(act, residual=x, invariant=inv)
+
+
+# torch runs an elementwise op over this many elements or more on several threads (at::internal::
+# GRAIN_SIZE), each thread a contiguous share of the flattened rows; a share's last elements
+# that fill no whole vector take the scalar code, and silu's scalar exp is not the vectorized one
+# bit for bit. Where a share ends mid-row at other than a multiple of 32 elements, that row's
+# silu would depend on how many rows share the forward (a 688-wide MLP, odd row counts, 2
+# threads: the KV self-check found it); then the rows go in slices that each run on one thread.
+_GRAIN = 32768
+
+
+def _splits_whole_vectors(rows: int, width: int) -> bool:
+    """Whether torch's split of an elementwise op over rows x width elements between its threads
+    falls at a multiple of 32 elements into a row at every boundary (or does not split)."""
+    n = rows * width
+    tasks = min(torch.get_num_threads(), -(-n // _GRAIN))
+    if tasks <= 1:
+        return True
+    chunk = -(-n // tasks)
+    return all((j * chunk) % width % 32 == 0 for j in range(1, tasks))
 
 
 def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
