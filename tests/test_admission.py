@@ -330,3 +330,48 @@ def test_online_costs_report_the_time_spent_prefilling_but_never_charge_it_to_a_
     assert model.round_cost(4) == pytest.approx(1.3, rel=1e-3)
     assert model.round_cost(2) == pytest.approx(TABLE.at(4).round_cost(2) * drafting, rel=1e-3)
     assert costs.to_dict()["overhead_s"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_the_kv_self_check_passes_riding_admissions_and_names_a_corrupted_slot(models, monkeypatch, capsys):
+    """SPECDECODE_CHECK_KV (engine/selfcheck.py): rows admitted in chunks that ride a running
+    row's rounds, decoded and finished, match a whole prefill of their tokens; a key changed in
+    layer 0 and a value changed in layer 1 of an admission's cache are each found, by layer, kind
+    and slot (negative controls)."""
+    from specdecode.engine import selfcheck
+
+    monkeypatch.setattr(selfcheck, "ENABLED", True)
+    params = PARAMS["greedy"]
+    gen = generator(models, "draft")
+    target = models["target"]
+    run = gen.stream([TEXT[:10]], params)
+
+    def admit(prompt: str, corrupt=None) -> None:
+        prefill = run.begin([prompt], params)
+        while not prefill.done:
+            prefill.step(16, True)
+            next(run, None)
+            target.flush_riders()
+        if corrupt is not None:
+            with torch.inference_mode():  # the cache's tensors are inference tensors
+                corrupt(prefill.cache)
+        run.join(prefill)
+
+    admit(TEXT + "曹操")
+    admit(TEXT[:60])
+    run.results()
+    assert run.kv_mismatches == 0
+    assert "KV self-check" not in capsys.readouterr().err
+
+    def key(cache):
+        cache.k[0, 0, 0, 5] += 1.0
+
+    def value(cache):  # the invariant cache keeps values chunk-major: slot 70 is chunk 1, offset 6
+        cache.v[1, 1, 0, 0, 6] += 1.0
+
+    run = gen.stream([TEXT[:10]], params)
+    admit(TEXT[:90], key)
+    assert run.kv_mismatches == 1
+    assert "first layer 0's keys at 1 slots from 5" in capsys.readouterr().err
+    admit(TEXT[:90], value)
+    assert run.kv_mismatches == 2
+    assert "first layer 1's values at 1 slots from 70" in capsys.readouterr().err

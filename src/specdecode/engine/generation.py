@@ -15,6 +15,7 @@ import torch
 from ..core.proposal import Proposal
 from ..core.sampling import SamplingParams
 from ..errors import SpecDecodeError
+from . import selfcheck
 from .emit import GenerationResult, RoundEvent, RowOutput, emit, token_logprobs
 from .policy import RoundOutcome
 from .prefill import Defer, Prefill, remember
@@ -57,6 +58,8 @@ class Generation:
         # the drafts of a drafter's own prefilled model (auto: not its suffix matches): [tested,
         # accepted], what that model's prefill is paid back by (model_acceptance)
         self.model_drafts = [0, 0]
+        # rows whose cache differed from a whole prefill of their tokens (selfcheck, when on)
+        self.kv_mismatches = 0
         with torch.inference_mode():
             self.rows, self.cache, self.state = self._start(ids, params, defer)
             self.policy = policy if policy is not None else make_policy(self)
@@ -242,6 +245,9 @@ class Generation:
         self._count_draft_prefill(prefill)
         with torch.inference_mode():
             rows, cache, state = prefill.finish()
+            if selfcheck.ENABLED:
+                for b in range(rows.size):
+                    self.kv_mismatches += not selfcheck.check_row(self.spec, rows, cache, b, "at its join")
             self._first_tokens(prefill)
             if self.rows.size == 0:
                 self.rows, self.cache, self.state = rows, cache, state
@@ -320,6 +326,10 @@ class Generation:
         self._firsts.append(event)
 
     def _retire(self, keep: list[int]) -> None:
+        if selfcheck.ENABLED:
+            for b in sorted(set(range(self.rows.size)) - set(keep)):
+                ok = selfcheck.check_row(self.spec, self.rows, self.cache, b, "when it left")
+                self.kv_mismatches += not ok
         if self.prefix is not None:
             kept = set(keep)
             for b in range(self.rows.size):
