@@ -66,10 +66,11 @@ def check_row(spec, rows, cache, b: int, when: str) -> bool:
     bad = mismatches(spec, rows.tokens[b : b + 1], cache, b)
     if bad:
         layer, name, first, count = bad[0]
+        total = 2 * len(cache.layer_k)
         print(
             f"specdecode: KV self-check: row {rows.ids[b]} ({int(cache.lengths[b])} tokens, {when}) differs "
-            f"from a whole prefill in {len(bad)} layer caches, first layer {layer}'s {name} at {count} "
-            f"slots from {first}",
+            f"from a whole prefill: layer {layer}'s {name} at {count} slot(s) from slot {first} first, "
+            f"{len(bad)} of {total} layer keys/values in all",
             file=sys.stderr,
             flush=True,
         )
