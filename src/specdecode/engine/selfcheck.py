@@ -33,9 +33,10 @@ def _slots(cache: KVCache, layer: int, b: int, n: int) -> tuple[torch.Tensor, to
 
 
 @torch.inference_mode()
-def mismatches(spec, tokens: torch.Tensor, cache, b: int) -> list[tuple[int, str, int, int]]:
+def mismatches(spec, tokens: torch.Tensor, cache, b: int) -> list[tuple[int, str, int, int, float]]:
     """Where row b of `cache` (holding tokens [1, n], n = its length) differs from a whole
-    prefill of those tokens in a fresh cache: (layer, "keys" or "values", first slot, slots)."""
+    prefill of those tokens in a fresh cache: (layer, "keys" or "values", first slot, slots,
+    largest difference)."""
     if not (isinstance(cache, KVCache) and cache.invariant):
         return []
     target = spec.target
@@ -57,7 +58,7 @@ def mismatches(spec, tokens: torch.Tensor, cache, b: int) -> list[tuple[int, str
         for name, got, want in pairs:
             if not torch.equal(got, want):
                 bad = (got != want).any(-1).any(0).nonzero().flatten()
-                out.append((layer, name, int(bad[0]), len(bad)))
+                out.append((layer, name, int(bad[0]), len(bad), float((got - want).abs().max())))
     return out
 
 
@@ -65,12 +66,12 @@ def check_row(spec, rows, cache, b: int, when: str) -> bool:
     """Check row b of a batch (rows, its cache); say on stderr if it differs. True if it does not."""
     bad = mismatches(spec, rows.tokens[b : b + 1], cache, b)
     if bad:
-        layer, name, first, count = bad[0]
+        layer, name, first, count, largest = bad[0]
         total = 2 * len(cache.layer_k)
         print(
             f"specdecode: KV self-check: row {rows.ids[b]} ({int(cache.lengths[b])} tokens, {when}) differs "
-            f"from a whole prefill: layer {layer}'s {name} at {count} slot(s) from slot {first} first, "
-            f"{len(bad)} of {total} layer keys/values in all",
+            f"from a whole prefill: layer {layer}'s {name} at {count} slot(s) from slot {first} first "
+            f"(by up to {largest:.3g}), {len(bad)} of {total} layer keys/values in all",
             file=sys.stderr,
             flush=True,
         )
