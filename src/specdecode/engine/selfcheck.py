@@ -5,8 +5,8 @@ values are the ones a whole prefill of its tokens writes, however its prompt was
 riding other rows' rounds, continued from prefix-cache blocks) and whatever it was decoded
 beside. With the check on, a Generation compares each row with such a prefill when the row joins
 the batch and when it leaves it, and says on stderr where they differ (the layer, keys or values,
-the first slot and how many): a wrong token or position shows in layer 0 already, a numeric
-difference only deeper. Only batch-invariant caches can be checked (elsewhere the bits of a
+the first slot, how many and the largest difference): an ulp or two is rounding, a whole key's
+worth another token or position. Only batch-invariant caches can be checked (elsewhere the bits of a
 chunked prefill legitimately differ). It costs one prefill per admission and per finished row,
 so it is for finding a bug, not for serving."""
 
