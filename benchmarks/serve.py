@@ -914,7 +914,10 @@ def main() -> int:
     args.peers = [p for p in PEERS if "llama-server" in args.peer and (p == "llama-server" or args.draft)]
     args.out.mkdir(parents=True, exist_ok=True)
     args.methods = [m for m in args.methods.split(",") if m]
-    args.cs = [int(c) for c in args.concurrency.split(",")]
+    cs = [c.strip() for c in args.concurrency.split(",") if c.strip()]
+    if not cs or not all(c.isdigit() and int(c) > 0 for c in cs):
+        ap.error(f"--concurrency: {args.concurrency!r} is not a comma-separated list of positive numbers")
+    args.cs = [int(c) for c in cs]
     scenarios = [s for s in args.scenarios.split(",") if s]
     sets = prompt_sets()
     import torch
