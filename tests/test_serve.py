@@ -302,7 +302,11 @@ def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_to
 
     def request(i: int) -> tuple[int, dict]:
         if i == 8:
-            time.sleep(0.3)  # the others are decoding by now
+            # sent once the others decode (a fixed sleep was a race: on a quiet machine the tiny
+            # model's 8 streams could finish first, and a prompt with no rows running is fed whole)
+            deadline = time.monotonic() + 30
+            while server.engine.rounds < rounds + 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
             body = {
                 "model": MODEL,
                 "prompt": long_prompt,
@@ -314,7 +318,7 @@ def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_to
             body = {
                 "model": MODEL,
                 "prompt": PROMPTS[i],
-                "max_tokens": 48,
+                "max_tokens": 160,  # still decoding while the long prompt is fed
                 "ignore_eos": True,
                 "temperature": 0,
             }
@@ -323,10 +327,10 @@ def test_a_long_prompt_admitted_mid_run_is_prefilled_in_chunks_and_changes_no_to
     with concurrent.futures.ThreadPoolExecutor(9) as pool:
         out = list(pool.map(request, range(9)))
     assert all(code == 200 for code, _ in out)
-    prompts = [*PROMPTS[:8], long_prompt]
+    longer = SamplingParams(temperature=0, max_new_tokens=160, ignore_eos=True)
     assert [o["choices"][0]["text"] for _, o in out] == [
-        offline_gen.generate([p], greedy)[0].text for p in prompts
-    ]
+        offline_gen.generate([p], longer)[0].text for p in PROMPTS[:8]
+    ] + [offline_gen.generate([long_prompt], greedy)[0].text]
     assert metric(server, "specdecode:prefill_tokens_total") - fed >= 399 - 64  # less what the cache had
     assert metric(server, "specdecode:prefill_carried_tokens_total") > carried  # chunks rode the rounds
     assert server.engine.rounds > rounds
