@@ -441,3 +441,44 @@ def test_a_prefill_gives_its_first_tokens_the_same_keys_whatever_its_length_and_
             assert torch.equal(k, keys) and torch.equal(v, values), n
     finally:
         torch.set_num_threads(before)
+
+
+def _inaccurate(op):
+    """A float64 sin or cos that, like the share of a table one thread computed in a server,
+    is accurate to ~1e-9 instead of ~1e-16 (enough to move float32 entries by an ulp)."""
+
+    def wrong(x, *args, **kwargs):
+        out = op(x, *args, **kwargs)
+        return out + 3e-9 * torch.sign(out) if out.dtype == torch.float64 else out
+
+    return wrong
+
+
+def test_rope_tables_keep_every_position_as_they_grow_whatever_torchs_sin_and_cos_give(pair_dir, monkeypatch):
+    """A key cached early (a prefix-cache block, a row beside a long admission) must meet the table
+    a later key meets: in a server the first table's positions 128-255 came out of torch's float64
+    sin an ulp away (float32) from every later table's, and every row reusing those keys differed
+    from a whole prefill. Tables come from the C library one angle at a time (models/rope.py) and a
+    growth keeps the positions it has: so neither a wrong vectorized sin nor growing in steps
+    changes an entry."""
+    import math
+
+    target = load(pair_dir[0])
+    target._rope_tables(2048)
+    cos, sin = target._cos.clone(), target._sin.clone()
+    D = target.cfg.head_dim
+    monkeypatch.setattr(torch.Tensor, "sin", _inaccurate(torch.Tensor.sin))
+    monkeypatch.setattr(torch.Tensor, "cos", _inaccurate(torch.Tensor.cos))
+    monkeypatch.setattr(torch, "sin", _inaccurate(torch.sin))
+    monkeypatch.setattr(torch, "cos", _inaccurate(torch.cos))
+    grown = load(pair_dir[0])
+    for need in (1, 200, 256, 300, 700, 2048):
+        grown._rope_tables(need)
+        n = grown._cos.shape[0]
+        assert torch.equal(grown._cos, cos[:n]) and torch.equal(grown._sin, sin[:n]), need
+    # and the values are the C library's, rounded once
+    theta = target.cfg.rope_theta
+    for p, j in [(1, 0), (130, 1), (200, D // 2 - 1), (1999, D // 4)]:
+        angle = p * (1.0 / theta ** (2 * j / D))
+        assert cos[p, j] == torch.tensor(math.cos(angle)).to(cos.dtype) == cos[p, j + D // 2]
+        assert sin[p, j + D // 2] == torch.tensor(math.sin(angle)).to(sin.dtype) == -sin[p, j]

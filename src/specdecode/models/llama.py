@@ -25,6 +25,7 @@ from .cache import KVCache
 from .forward_plan import ForwardPlan, plan_forward
 from .linear import Linear
 from .quant import QUANT_KINDS, QWeight, linear_nbytes, quantized_linear
+from .rope import RopeTables
 from .tokenizer import TextTokenizer
 
 # the config.json model types this runtime runs (others go to the transformers adapter)
@@ -337,9 +338,10 @@ class LlamaModel:
                     qk_norm=qk_norm,
                 )
             )
-        # RoPE tables, computed in float64 and cast once; grown on demand
+        # RoPE tables (rope.py): the same bits whatever their size, grown on demand
+        self._rope = RopeTables(self.cfg.rope_theta, self.cfg.head_dim, self.dtype, self.device)
         self._rope_len = 0
-        self._cos = self._sin = torch.empty(0)
+        self._cos = self._sin = self._rope.cos
         self.name = ""
         self.path = Path()
         self.tokenizer: TextTokenizer | None = None
@@ -481,17 +483,9 @@ class LlamaModel:
 
     def _rope_tables(self, need: int) -> None:
         if need > self._rope_len:
-            n = max(need, 2 * self._rope_len, 256)
-            D = self.cfg.head_dim
-            inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-            freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
-            emb = torch.cat([freqs, freqs], dim=-1)
             # rotate_half(x) * sin == x.roll(D/2) * [-sin, sin]: the sign lives in the table
-            sin = emb.sin()
-            sin[:, : D // 2] *= -1
-            self._cos = emb.cos().to(self.device, self.dtype)
-            self._sin = sin.to(self.device, self.dtype)
-            self._rope_len = n
+            self._rope.grow(need)
+            self._cos, self._sin, self._rope_len = self._rope.cos, self._rope.sin, len(self._rope)
 
     # -- riders: forwards of other caches carried through another forward's pass ------------
     def ride(self, tokens: torch.Tensor, cache: KVCache, meta: ForwardMeta, done) -> None:

@@ -37,6 +37,7 @@ from ..progress import bar
 from .base import PLAIN, ForwardMeta
 from .llama import LlamaConfig, _LazyWeights
 from .quant import QUANT_KINDS
+from .rope import rope_rows
 from .tokenizer import TextTokenizer
 
 # weight format (formats.py rows with openvino=True) -> (bits or the float constants' type, group
@@ -375,12 +376,12 @@ class OVModel:
         return OVCache(c.num_layers, batch_size, capacity, c.num_kv_heads, c.head_dim)
 
     def _rope(self, need: int) -> None:
-        if need > self._rope_len:  # float64 tables cast once, as our runtime's
+        if need > self._rope_len:  # our runtime's values (rope.py); the graph rotates the halves
             n = max(need, 2 * self._rope_len, 256)
-            D = self.cfg.head_dim
-            inv_freq = 1.0 / (self.cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-            emb = np.concatenate([np.outer(np.arange(n, dtype=np.float64), inv_freq)] * 2, -1)
-            self._cos, self._sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+            rows = rope_rows(self.cfg.rope_theta, self.cfg.head_dim, self._rope_len, n)
+            cos, sin = (np.concatenate([t.numpy(), t.numpy()], -1) for t in rows)
+            self._cos = np.concatenate([self._cos, cos.astype(np.float32)])
+            self._sin = np.concatenate([self._sin, sin.astype(np.float32)])
             self._rope_len = n
 
     def forward(
