@@ -904,7 +904,7 @@ def main() -> int:
     ap.add_argument(
         "--server-args",
         default="",
-        help="more options for every `specdecode serve` started, e.g. --server-args=--carry-prefill",
+        help="more options for every `specdecode serve` started, e.g. --server-args=--no-carry-prefill",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serve")
     args = ap.parse_args()

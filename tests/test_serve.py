@@ -63,12 +63,12 @@ def server(chat_target):
     """As `specdecode serve` runs by default: round costs measured at start and learned online,
     prefix caching on (a small budget, so tests run it full and evicting), chunked prefill (a
     small budget, so prompts of more than 64 tokens are fed in chunks while others decode), and
-    the chunks riding the running rows' rounds (opt-in: --carry-prefill)."""
+    the chunks riding the running rows' rounds (the default; --no-carry-prefill turns it off)."""
     gen = make_gen(chat_target)
     gen.load_costs = OnlineCosts(gen.measure_load_costs([1, 2, 4, 8, 16, 32]))
     gen.enable_prefix_cache(PREFIX_BUDGET)
     srv = Server.start(
-        gen, MODEL, max_batch=32, max_model_len=512, max_num_batched_tokens=96, carry_prefill=True
+        gen, MODEL, max_batch=32, max_model_len=512, max_num_batched_tokens=96
     )
     yield srv
     srv.stop()
@@ -1053,6 +1053,6 @@ def test_the_riding_chunk_budget_stays_bounded_when_a_carrying_round_reads_no_sl
     loop.ride_token_s = 0.005
     assert loop._chunk_budget() == 16  # 0.75 x 0.1 / 0.005 = 15, at least 16
     assert loop.round_s == 0.1  # a carrying round is not a round's cost
-    off = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto")  # carrying is opt-in
+    off = EngineLoop(gen, Metrics(), max_batch=8, max_batched_tokens="auto", carry=False)
     off.round_s, off.token_s, off.ride_token_s = 0.1, 0.001, 0.0
     assert not off._rides() and off._chunk_budget() == 75

@@ -94,11 +94,12 @@ def register(sub) -> None:
     )
     s.add_argument(
         "--carry-prefill",
-        action="store_true",
-        help="let a prefill chunk ride the running rows' round, one pass over the target's weights for "
-        "both, as vLLM batches prefill and decode tokens (1.1-1.2x at c = 4 on the 1.5B pair; needs the "
-        "batch-invariant forward). Opt-in: with it drafting servers gave some greedy answers other than "
-        "speculation off's in measured runs, not yet explained (docs/serving.md)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a prefill chunk rides the running rows' round, one pass over the target's weights for "
+        "both, as vLLM batches prefill and decode tokens (1.1-1.2x at c = 4 on the 1.5B pair; where the "
+        "forward is batch-invariant, our runtime's default). Default on; --no-carry-prefill runs each "
+        "chunk as a forward of its own",
     )
     s.add_argument(
         "--no-prefix-cache",
@@ -261,9 +262,17 @@ def _serve(args: argparse.Namespace) -> int:
     gen, server = build(args)
     what = f"{gen.method}, k = {gen.k}" if gen.method else "no speculation"
     inv = "batch-invariant" if gen.batch_invariant else "plain forward"
+    engine = server.engine
+    if engine.max_batched_tokens is None:
+        prefill = "prompts prefilled whole"
+    else:
+        ride = "riding the rounds" if engine._rides() else "each its own forward"
+        n = engine.max_batched_tokens
+        size = "sized to 3/4 of a round" if n == "auto" else f"of up to {n} tokens"
+        prefill = f"prompts in chunks {size}, {ride}"
     print(memory_line(gen, args), file=sys.stderr)
     print(
-        f"specdecode serve: {args.served_model_name or args.target} ({what}; {inv}; "
+        f"specdecode serve: {args.served_model_name or args.target} ({what}; {inv}; {prefill}; "
         f"max batch {args.max_batch}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )

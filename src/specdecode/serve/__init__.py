@@ -57,7 +57,7 @@ class Server:
         default_max_tokens: int = 256,
         sampling_rule: str = "auto",
         max_num_batched_tokens: int | None = None,
-        carry_prefill: bool = False,
+        carry_prefill: bool = True,
     ) -> None:
         """sampling_rule: the rule of requests that name none: standard, invariant, or auto
         (invariant for seeded requests, standard otherwise). max_num_batched_tokens: the tokens

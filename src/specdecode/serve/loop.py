@@ -85,7 +85,7 @@ class EngineLoop:
         max_batch: int = 32,
         max_queue: int = 256,
         max_batched_tokens: int | str | None = None,
-        carry: bool = False,
+        carry: bool = True,
     ) -> None:
         """max_batched_tokens: the tokens one iteration may feed the target, the running rows'
         (1 + k each) and prefill chunks together (at least 16 tokens of prefill); "auto": prefill
@@ -93,8 +93,7 @@ class EngineLoop:
         and per round), so a running row's inter-token latency stays under twice its value
         while a long prompt is admitted; None: prefill each admission whole. carry: a prefill
         chunk rides the running rows' round, one pass over the weights for both (_rides), where
-        the forward is batch-invariant; False (the default, see docs/serving.md): each chunk is a
-        forward of its own."""
+        the forward is batch-invariant (the default); False: each chunk is a forward of its own."""
         self.gen, self.metrics = gen, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
         if max_batched_tokens not in (None, "auto") and not (
