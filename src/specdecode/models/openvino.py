@@ -37,7 +37,7 @@ from ..progress import bar
 from .base import PLAIN, ForwardMeta
 from .llama import LlamaConfig, _LazyWeights
 from .quant import QUANT_KINDS
-from .rope import rope_rows
+from .rope import RopeTables
 from .tokenizer import TextTokenizer
 
 # weight format (formats.py rows with openvino=True) -> (bits or the float constants' type, group
@@ -294,6 +294,7 @@ class OVModel:
         self.path = Path()
         self.tokenizer: TextTokenizer | None = None
         self.eos_token_ids: tuple[int, ...] = ()
+        self._tables = RopeTables(cfg.rope_theta, cfg.head_dim, torch.float32, signed=False)
         self._rope_len = 0
         self._cos = self._sin = np.zeros((0, cfg.head_dim), np.float32)
 
@@ -377,12 +378,9 @@ class OVModel:
 
     def _rope(self, need: int) -> None:
         if need > self._rope_len:  # our runtime's values (rope.py); the graph rotates the halves
-            n = max(need, 2 * self._rope_len, 256)
-            rows = rope_rows(self.cfg.rope_theta, self.cfg.head_dim, self._rope_len, n)
-            cos, sin = (np.concatenate([t.numpy(), t.numpy()], -1) for t in rows)
-            self._cos = np.concatenate([self._cos, cos.astype(np.float32)])
-            self._sin = np.concatenate([self._sin, sin.astype(np.float32)])
-            self._rope_len = n
+            self._tables.grow(need)
+            self._cos, self._sin = self._tables.cos.numpy(), self._tables.sin.numpy()
+            self._rope_len = len(self._tables)
 
     def forward(
         self, tokens: torch.Tensor, cache: OVCache, meta: ForwardMeta = PLAIN
