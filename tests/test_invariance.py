@@ -482,3 +482,60 @@ def test_rope_tables_keep_every_position_as_they_grow_whatever_torchs_sin_and_co
         angle = p * (1.0 / theta ** (2 * j / D))
         assert cos[p, j] == torch.tensor(math.cos(angle)).to(cos.dtype) == cos[p, j + D // 2]
         assert sin[p, j + D // 2] == torch.tensor(math.sin(angle)).to(sin.dtype) == -sin[p, j]
+
+
+def test_a_w8a8_model_gives_the_same_bits_whichever_int8_kernel_each_row_count_takes(tmp_path, monkeypatch):
+    """w8a8 products run through FBGEMM or oneDNN by row count, as measured at load
+    (choose_int8_kernels): a prefill, a verification of 5 tokens and the one-token steps give
+    the same logits and keys with FBGEMM everywhere, oneDNN from 2 rows (a verification on
+    oneDNN, its steps on FBGEMM) and oneDNN everywhere; so a verification's logits stay a
+    step's. Where oneDNN's int8 linear is not FBGEMM's bit for bit here, only FBGEMM runs."""
+    from specdecode.models import llama, quant
+    from specdecode.models.init import init_model
+
+    if not quant.onednn_exact(quant._int8_gemm_engine()[1]):
+        pytest.skip("oneDNN's int8 linear is not FBGEMM's bits on this CPU: FBGEMM runs every product")
+    path = init_model(
+        tmp_path / "m", vocab=64, layers=2, dim=128, heads=4, kv_heads=2, intermediate=96, seed=3
+    )
+    monkeypatch.setattr(llama, "choose_int8_kernels", lambda linears: {})  # keep both copies
+    model = load(str(path), dtype=torch.float32, quant="w8a8")
+    seq = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(1))
+
+    def run(onednn_from):
+        for _, lin in model.linears():
+            lin.onednn_from = onednn_from
+        cache = model.new_cache(1, 64, invariant=True)
+        pre = model.forward(seq[:, :40], cache)[0]
+        verify = model.forward(seq[:, 40:45], cache)[0]
+        cache.rewind(cache.lengths - 5)
+        steps = torch.cat([model.forward(seq[:, i : i + 1], cache)[0] for i in range(40, 45)], 1)
+        return pre, verify, steps, _slots(cache)[0][..., :45, :].clone()
+
+    fbgemm = run(None)
+    assert torch.equal(fbgemm[1], fbgemm[2])  # a verification's logits are its steps'
+    for onednn_from in (2, 1):
+        got = run(onednn_from)
+        for a, b in zip(got, fbgemm):
+            assert torch.equal(a, b), onednn_from
+
+
+def test_loading_a_w8a8_model_keeps_each_projection_on_the_kernels_it_calls(tmp_path):
+    """After the load-time measurement every w8a8 projection holds the packed weights it will
+    call and no others: oneDNN's alone where it is ahead from one row, FBGEMM's alone where
+    never, both where the rows split them."""
+    from specdecode.models.init import init_model
+    from specdecode.models.quant import DynamicInt8Linear
+
+    path = init_model(
+        tmp_path / "m", vocab=64, layers=2, dim=128, heads=4, kv_heads=2, intermediate=96, seed=3
+    )
+    model = load(str(path), dtype=torch.float32, quant="w8a8")
+    lins = [lin for _, lin in model.linears()]
+    assert lins and all(isinstance(lin, DynamicInt8Linear) for lin in lins)
+    assert set(model.int8_kernels) == {(lin.out_features, lin.in_features) for lin in lins}
+    for lin in lins:
+        start = model.int8_kernels[(lin.out_features, lin.in_features)]
+        assert lin.onednn_from == start
+        assert (lin.onednn is not None) == (start is not None)
+        assert (lin.packed is not None) == (start is None or start > 1)

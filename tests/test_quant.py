@@ -93,27 +93,51 @@ def test_w8a8_is_the_int8_product_up_to_half_an_activation_step_and_row_invarian
 
 
 @pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit", "7-bit"])
-def test_w8a8_many_rows_through_int_mm_are_fbgemms_bits_and_each_row_alone(reduce_range):
-    """A prefill's many rows may take torch._int_mm (oneDNN, AMX int8 where the CPU has it)
-    instead of FBGEMM: the same activation codes and exact integer sums, so the same bits,
-    which keeps a prompt's keys and values those its tokens get one at a time (prefix cache,
-    greedy identity). Checked on this CPU, not assumed: where _int_mm does not run, the probe
-    must say so (and FBGEMM does every product)."""
+def test_w8a8_through_onednn_gives_fbgemms_bits_for_any_rows_and_each_row_alone(reduce_range):
+    """From the row count a probe measured faster (a verification, a prefill; on some CPUs one
+    row), the w8a8 product runs through oneDNN's int8 linear instead of FBGEMM: the same
+    activation codes and exact integer sums, so the same bits at every row count, which keeps a
+    verification's logits a one-token step's and a prompt's keys and values those its tokens get
+    one at a time (prefix cache, greedy identity). Checked on this CPU, not assumed: where
+    oneDNN's int8 linear does not run, the probe must say so (and FBGEMM does every product)."""
     from specdecode.models import quant
 
     g = torch.Generator().manual_seed(11)
     w, b = torch.randn(96, 160, generator=g), torch.randn(96, generator=g)
-    linear = DynamicInt8Linear(QWeight.from_float(w, "int8"), b, int_mm=True)  # whatever the probe says
-    linear.reduce_range = reduce_range  # FBGEMM's 7-bit activations (CPUs without VNNI), or 8
-    x = torch.randn(300, 160, generator=g) * torch.logspace(-3, 2, 300).view(-1, 1)
+    w[:8] = w[:8].sign()  # weights at +-127: pairs of byte products past int16
     try:
-        fast = linear._product(x, via_int_mm=True)
-    except (RuntimeError, NotImplementedError):
-        assert quant._int_mm_from_rows(reduce_range) is None
+        linear = DynamicInt8Linear(QWeight.from_float(w, "int8"), b, onednn=True)
+        linear.reduce_range = reduce_range  # FBGEMM's 7-bit activations (CPUs without VNNI), or 8
+        x = torch.randn(300, 160, generator=g) * torch.logspace(-3, 2, 300).view(-1, 1)
+        x[0], x[1] = 1.0, -1.0  # every code at one end
+        fast = linear._product(x, "onednn")
+    except (RuntimeError, NotImplementedError, AttributeError):
+        assert not quant.onednn_exact(reduce_range)
         return
-    assert torch.equal(fast, linear._product(x, via_int_mm=False))
-    alone = torch.cat([linear._product(x[i : i + 1], via_int_mm=False) for i in range(0, 300, 7)])
+    for rows in (1, 2, 3, 5, 8, 300):
+        assert torch.equal(linear._product(x[:rows], "onednn"), linear._product(x[:rows], "fbgemm")), rows
+    alone = torch.cat([linear._product(x[i : i + 1], "fbgemm") for i in range(0, 300, 7)])
     assert torch.equal(fast[::7], alone)
+
+
+def test_w8a8_onednn_probe_refuses_a_kernel_that_is_not_fbgemms_bits(monkeypatch):
+    """Negative control for the probe: a oneDNN product whose sums are off by one in the last
+    place for one output (what an int16 saturation or another rounding gives) is not used."""
+    from specdecode.models import quant
+
+    real = quant._onednn_product
+
+    def off_by_one(rows, layer):
+        out = real(rows, layer)
+        out[:, 0] = torch.nextafter(out[:, 0], torch.full_like(out[:, 0], float("inf")))
+        return out
+
+    monkeypatch.setattr(quant, "_onednn_product", off_by_one)
+    quant.onednn_exact.cache_clear()
+    try:
+        assert not quant.onednn_exact(False)
+    finally:
+        quant.onednn_exact.cache_clear()
 
 
 def test_the_reference_check_rejects_another_zero_convention():

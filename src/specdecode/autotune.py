@@ -47,7 +47,7 @@ DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4")
 CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
 HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
 ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
-VERSION = 2  # bump when the measurement changes: cached choices of another version are redone
+VERSION = 3  # bump when the measurement changes: cached choices of another version are redone
 PREFILL_ROWS = 64  # the rows of a prefill chunk whose projections `tp` times
 PREFILL_GAIN = 1.5  # a draft gets a prefill copy when the fastest prompt format is this much faster
 # prompt tokens a target's choice counts per generated token (a chat turn's prompt and answer are of
@@ -216,7 +216,7 @@ def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen)
         if bits == 8:
             q = torch.randint(-127, 128, (out, inp), generator=gen, dtype=torch.int8)
             qw = QWeight(8, q, scales)
-            made.append(DynamicInt8Linear(qw) if spec.quant == "w8a8" else QuantLinear(qw))
+            made.append(DynamicInt8Linear(qw, onednn=None) if spec.quant == "w8a8" else QuantLinear(qw))
         else:
             padded = -(-inp // group) * group
             q = torch.randint(0, 16, (out, padded), generator=gen, dtype=torch.uint8)
@@ -257,6 +257,10 @@ def measure(
         layers = _layer_linears(shapes, fmt, shapes.layer_matrices() * copies, gen)
         head_rows = max(16, shapes.vocab // HEAD_SLICE)
         head = _layer_linears(shapes, fmt, [(head_rows, shapes.hidden)], gen)
+        if FORMATS[fmt].quant == "w8a8":  # each shape's int8 kernel per row count, as a load chooses it
+            from .models.quant import choose_int8_kernels
+
+            choose_int8_kernels(layers + head, rows=(1, k + 1, PREFILL_ROWS))
         scale_layers, scale_head = shapes.layers / copies, shapes.vocab / head_rows
         out = FormatCosts(fmt)
         for rows in (1, k + 1) if with_tk else (1,):

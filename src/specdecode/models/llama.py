@@ -24,7 +24,7 @@ from .base import PLAIN, ForwardMeta
 from .cache import KVCache
 from .forward_plan import ForwardPlan, plan_forward
 from .linear import Linear
-from .quant import QUANT_KINDS, QWeight, linear_nbytes, quantized_linear
+from .quant import QUANT_KINDS, QWeight, choose_int8_kernels, linear_nbytes, quantized_linear
 from .rope import RopeTables
 from .tokenizer import TextTokenizer
 
@@ -259,7 +259,7 @@ class LlamaModel:
                 return Linear(cat(names), bias)
             f32 = torch.float32
             parts = [qweights[n] if n in qweights else weights[n].to(self.device, f32) for n in names]
-            return quantized_linear(parts, bias, quant)
+            return quantized_linear(parts, bias, quant, onednn=None)
 
         self.final_norm = w("model.norm.weight")
         self._final_norm_s = self.final_norm * cfg.hidden_size**0.5
@@ -351,6 +351,14 @@ class LlamaModel:
         self.rollback = "snapshot"
         # forwards waiting to be carried through the next forward's pass (ride())
         self.riders: list = []
+        self.int8_kernels: dict = {}
+        if quant == "w8a8":
+            self._choose_int8_kernels()
+
+    def _choose_int8_kernels(self) -> None:
+        """w8a8: each projection shape's kernel per row count (FBGEMM or oneDNN, the same bits),
+        timed on this model's own layers at load (models/quant.py, choose_int8_kernels)."""
+        self.int8_kernels = choose_int8_kernels([lin for _, lin in self.linears()])
 
     # -- capabilities (the engine and drafters ask these, never the class) ------------------
     lean = True  # our runtime: token trees, offsets, early exit, fused inputs, aux layers
@@ -414,9 +422,11 @@ class LlamaModel:
         for layer in self.layers:
             for n in ("qkv", "o", "gate_up", "down"):
                 old = getattr(layer, n)
-                setattr(layer, n, quantized_linear([old.weight_matrix()], old.bias, kind))
-        self._head = quantized_linear([self._head.weight_matrix()], self._head.bias, kind)
+                setattr(layer, n, quantized_linear([old.weight_matrix()], old.bias, kind, onednn=None))
+        self._head = quantized_linear([self._head.weight_matrix()], self._head.bias, kind, onednn=None)
         self.quant = kind
+        if kind == "w8a8":
+            self._choose_int8_kernels()
         return_freed_memory()
         return self
 

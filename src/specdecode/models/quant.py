@@ -241,82 +241,143 @@ def _int8_gemm_engine() -> tuple[str, bool] | None:
 
 
 def _int8_codes(rows: torch.Tensor, reduce_range: bool) -> torch.Tensor:
-    """The signed codes FBGEMM's dynamic linear gives rows whose range is exactly [-1, 1]
+    """The unsigned codes FBGEMM's dynamic linear gives rows whose range is exactly [-1, 1]
     (torch's choice of parameters for that range: scale 2/255, zero point 128; 2/127 and 64
-    with reduce_range), less the zero point: torch's per-tensor quantizer at those parameters
-    (FBGEMM's own Quantize on x86: fma(x, 1/scale, zero point), rounded half to even)."""
+    with reduce_range): torch's per-tensor quantizer at those parameters (FBGEMM's own Quantize
+    on x86: fma(x, 1/scale, zero point), rounded half to even)."""
     qmax = 127 if reduce_range else 255
-    zero = (qmax + 1) // 2
     scale = float(torch.tensor(2.0 / qmax, dtype=torch.float32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch marks its quantized-tensor API deprecated
-        codes = torch.quantize_per_tensor(rows, scale, zero, torch.quint8).int_repr()
-    if zero == 128:
-        return (codes ^ 0x80).view(torch.int8)  # u - 128 for every byte u
-    return (codes.to(torch.int16) - zero).to(torch.int8)
+        return torch.quantize_per_tensor(rows, scale, (qmax + 1) // 2, torch.quint8).int_repr()
 
 
-def _int_mm_product(rows: torch.Tensor, weight_t: torch.Tensor, scales: torch.Tensor, reduce_range: bool):
-    """FBGEMM's dynamic linear (no bias) on rows in [-1, 1] whose range row is among them,
-    through torch._int_mm (oneDNN; AMX int8 where the CPU has it): the same codes, the same
-    exact integer sums, the same float epilogue (sum x (activation scale x weight scale), the
-    product of the scales in float32)."""
-    act = torch.tensor(2.0 / (127 if reduce_range else 255), dtype=torch.float32)
-    return torch._int_mm(_int8_codes(rows, reduce_range), weight_t).float().mul_(act * scales)
+def _onednn_product(rows: torch.Tensor, layer: DynamicInt8Linear) -> torch.Tensor:
+    """FBGEMM's dynamic linear (no bias) on rows in [-1, 1] through oneDNN's int8 linear
+    (torch.ops.onednn.qlinear_pointwise; AMX or VNNI where the CPU has them): the same codes
+    with the same zero point and unit scales, so oneDNN returns the exact integer sums as
+    float32, then FBGEMM's epilogue (sum x (activation scale x weight scale), that product in
+    float32). No range row is needed: the codes are computed here, not from the rows' range."""
+    ones, zeros = layer.unit
+    out = torch.ops.onednn.qlinear_pointwise(
+        _int8_codes(rows, layer.reduce_range), 1.0, 64 if layer.reduce_range else 128, layer.onednn,
+        ones, zeros, None, 1.0, 0, torch.float32, "none", [], "",
+    )
+    return out.mul_(layer.epilogue)
 
 
-_PROBE_ROWS = (32, 64, 128, 256)
+# row counts at which choose_int8_kernels times both kernels: a step, verifications of 1-7 drafts,
+# batches of a few streams, a prefill chunk
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 16, 64)
+
+
+def _probe_pairs(gen: torch.Generator):
+    """(weight, rows) pairs on which oneDNN must give FBGEMM's bits: random weights and inputs
+    over five decades of magnitude, and the extremes (every code 255 or 0 against weights of
+    +-127, whose pairwise sums overflow int16 where a kernel multiplies bytes into 16 bits)."""
+    for k, n in ((64, 48), (320, 40), (1024, 256)):
+        w = torch.randn(n, k, generator=gen) * 0.05
+        w[: n // 4] = w[: n // 4].sign() * 0.2  # rows at the int8 extremes
+        x = torch.randn(9, k, generator=gen) * torch.logspace(-3, 2, 9).view(-1, 1)
+        x[0], x[1] = 1.0, -1.0  # every code at one end
+        x[2] = torch.where(torch.arange(k) % 2 == 0, 1.0, -0.01)
+        yield QWeight.from_float(w, "int8"), x
 
 
 @functools.cache
-def _int_mm_from_rows(reduce_range: bool) -> int | None:
-    """From how many rows DynamicInt8Linear multiplies through torch._int_mm instead of FBGEMM
-    (a prefill: oneDNN's int8 GEMM uses AMX where the CPU has it, measured 2.7x FBGEMM's speed on
-    450 rows on two cores of an AMX Xeon); None where _int_mm fails, where its result is not
-    FBGEMM's bit for bit on a probe, or where it is not faster at any of _PROBE_ROWS. Checked
-    once per process, never assumed from CPU flags (SPECDECODE_INT_MM=0 turns it off)."""
+def onednn_exact(reduce_range: bool) -> bool:
+    """Whether oneDNN's int8 linear runs here and gives FBGEMM's products bit for bit on the
+    probe (_probe_pairs, 1 to 9 rows; 64 rows of the last pair): checked once per process, never
+    assumed from CPU flags. SPECDECODE_ONEDNN_W8A8=0 says no without asking."""
     import os
+
+    if os.environ.get("SPECDECODE_ONEDNN_W8A8", "1") == "0":
+        return False
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for weight, x in _probe_pairs(gen):
+            layer = DynamicInt8Linear(weight, onednn=True)
+            layer.reduce_range = reduce_range
+            for rows in (*(x[:m] for m in range(1, x.shape[0] + 1)), x.repeat(8, 1) * 1.7):
+                if not torch.equal(layer._product(rows, "fbgemm"), layer._product(rows, "onednn")):
+                    return False
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def choose_int8_kernels(linears: list, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 2) -> dict:
+    """For each shape of w8a8 projection in `linears` (a model's, in the order a forward calls
+    them), from how many rows its products go through oneDNN instead of FBGEMM: both kernels are
+    timed on the model's own layers of that shape, every one of them in turn (so the weights come
+    from memory, as in a forward), at each of `rows`; oneDNN takes the smallest count from which
+    it is ahead at every larger count timed. Where it is ahead from one row, FBGEMM's copy of the
+    weights is dropped; where never, oneDNN's (both are held only while timing). Nothing is timed
+    where onednn_exact() says no (every product stays FBGEMM's). Both kernels give the same bits
+    (onednn_exact), so the choice moves time only. Returns {(out, in): first oneDNN row count or
+    None}. Costs ~4 s for the 1.5B's 1.55 GB of projections on two cores."""
     import time
 
-    if os.environ.get("SPECDECODE_INT_MM", "1") == "0":
-        return None
-    gen = torch.Generator().manual_seed(0)
-    K, N = 1024, 2048
-    weight = QWeight.from_float(torch.randn(N, K, generator=gen) * 0.05, "int8")
-    try:
-        layer = DynamicInt8Linear(weight, int_mm=True)
-        x = torch.randn(max(_PROBE_ROWS), K, generator=gen) * 3
-        if not torch.equal(layer._product(x, via_int_mm=False), layer._product(x, via_int_mm=True)):
-            return None
+    calls = [lin for lin in linears if isinstance(lin, DynamicInt8Linear)]
+    groups: dict[tuple[int, int], list[DynamicInt8Linear]] = {}
+    for lin in calls:
+        groups.setdefault((lin.out_features, lin.in_features), []).append(lin)
+    if not groups:
+        return {}
+    reduce_range = next(iter(groups.values()))[0].reduce_range
+    chosen: dict[tuple[int, int], int | None] = dict.fromkeys(groups)
+    if onednn_exact(reduce_range):
+        for group in groups.values():
+            for lin in group:
+                lin.pack_onednn()
+        gen = torch.Generator().manual_seed(0)
+        inputs = {k: torch.randn(max(rows), k, generator=gen) for _, k in groups}
+        best = {(shape, m, e): float("inf") for shape in groups for m in rows for e in ("fbgemm", "onednn")}
 
-        def best(rows: torch.Tensor, via: bool) -> float:
-            times = []
-            for _ in range(3):
+        def one_pass(m: int, engine: str) -> dict:
+            spent = dict.fromkeys(groups, 0.0)
+            for lin in calls:
+                shape = (lin.out_features, lin.in_features)
                 t0 = time.perf_counter()
-                layer._product(rows, via_int_mm=via)
-                times.append(time.perf_counter() - t0)
-            return min(times)
+                lin._product(inputs[shape[1]][:m], engine)
+                spent[shape] += time.perf_counter() - t0
+            return spent
 
-        for m in _PROBE_ROWS:
-            if best(x[:m], True) < 0.9 * best(x[:m], False):
-                return m
-    except (RuntimeError, NotImplementedError):
-        return None
-    return None
+        with torch.inference_mode():
+            for engine in ("fbgemm", "onednn"):  # warm (packing caches, page faults)
+                one_pass(rows[0], engine)
+            for _ in range(repeats):
+                for m in rows:
+                    for engine in ("fbgemm", "onednn"):
+                        for shape, t in one_pass(m, engine).items():
+                            best[shape, m, engine] = min(best[shape, m, engine], t)
+        for shape in groups:
+            for m in reversed(rows):
+                if best[shape, m, "onednn"] >= best[shape, m, "fbgemm"]:
+                    break
+                chosen[shape] = m
+    for shape, group in groups.items():
+        for lin in group:
+            lin.use_onednn_from(chosen[shape])
+    return chosen
 
 
 class DynamicInt8Linear(Linear):
     """int8 weights (one scale per output row) times int8 activations, each row quantized on the
-    fly with its own scale: FBGEMM's dynamic quantized linear (torch.ops.quantized, the x86
-    engine), an integer GEMM that streams the weight once for all rows, so a few rows
-    (verification) cost about one row. FBGEMM quantizes the whole input with one scale; to make
-    each row's result its own (batch invariance, greedy identity), every row is divided by its
-    largest magnitude and a fixed row [1, -1, 0, ...] is appended, so the input's range is always
-    [-1, 1], and the output rows are multiplied back. The integer sums are exact, so a row's
-    result does not depend on the others. torch marks its quantized-tensor API deprecated; it is
-    used only to hand FBGEMM the weight once, at load."""
+    fly with its own scale: an integer GEMM that streams the weight once for all rows, so a few
+    rows (verification) cost about one row. Each row is divided by its largest magnitude, its
+    codes are those of FBGEMM's dynamic quantized linear for the range [-1, 1] (torch.ops.quantized,
+    the x86 engine: it quantizes the whole input with one scale, so a fixed row [1, -1, 0, ...] is
+    appended to make that range), and the output rows are multiplied back. The integer sums are
+    exact, so a row's result does not depend on the others (batch invariance, greedy identity),
+    nor on the kernel: from the row count where it was measured faster on the model's own layers
+    (choose_int8_kernels), oneDNN's int8 linear computes the same sums from the same codes, bit
+    for bit (onednn_exact: checked on the CPU, not assumed). torch marks its quantized-tensor API
+    deprecated; it is used only to hand FBGEMM the weight once, at load, and to round the codes."""
 
-    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None, int_mm: bool | None = None) -> None:
+    def __init__(
+        self, weight: QWeight, bias: torch.Tensor | None = None, onednn: bool | None = False
+    ) -> None:
         found = _int8_gemm_engine()
         if found is None or weight.q.device.type != "cpu":
             raise SpecDecodeError("w8a8 needs torch's x86/FBGEMM quantized engine on CPU; use --dtype int8")
@@ -329,24 +390,51 @@ class DynamicInt8Linear(Linear):
         self.bias = None if bias is None else bias.float()
         self.layout, self.dtype, self.bits, self.group = "w8a8", torch.float32, 8, None
         self._row_multiple = None
+        self.weight = None
+        self.weight_scales = weight.scales.double().float()  # as FBGEMM rounds them
+        self._epilogue: tuple[bool, torch.Tensor] | None = None
+        self.unit = (torch.ones(self.out_features), torch.zeros(self.out_features, dtype=torch.long))
+        # FBGEMM's packed weight; oneDNN's too when asked (True; None: where onednn_exact()), for
+        # choose_int8_kernels to time both on the model's layers (every product is FBGEMM's until
+        # it has), which then drops the copy not called
         zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(weight.q, weight.scales.double(), zeros, 0)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
-        self.weight = None
+        if onednn is None:
+            onednn = onednn_exact(self.reduce_range)
+        self.onednn = torch.ops.onednn.qlinear_prepack(weight.q, None) if onednn else None
+        self.onednn_from: int | None = None
         self.range_row = torch.zeros(1, self.in_features)
         self.range_row[0, 0], self.range_row[0, -1] = 1.0, -1.0
-        # for many rows (a prefill), the same product through torch._int_mm where the probe
-        # found it exact and faster (_int_mm_from_rows; int_mm True: keep it regardless): the
-        # weight a second time, transposed (its bytes again in memory, so only then), and the
-        # weight scales of FBGEMM's epilogue
-        if int_mm is None:
-            int_mm = _int_mm_from_rows(self.reduce_range) is not None
-        self.weight_t = weight.q.t().contiguous() if int_mm else None
-        self.weight_scales = weight.scales.double().float()
 
     row_multiple = 1  # row-invariant by construction (tested): no padding needed
+
+    def pack_onednn(self) -> None:
+        """oneDNN's packed copy of the weight (from FBGEMM's, whose int8 values it holds)."""
+        if self.onednn is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q = torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
+            self.onednn = torch.ops.onednn.qlinear_prepack(q, None)
+
+    def use_onednn_from(self, rows: int | None) -> None:
+        """Products of `rows` rows or more through oneDNN (None: never), the other kernel's
+        copy of the weights dropped where it is no longer called."""
+        self.onednn_from = rows if self.onednn is not None else None
+        if self.onednn_from is None:
+            self.onednn = None
+        elif self.onednn_from <= 1:
+            self.packed = None
+
+    @property
+    def epilogue(self) -> torch.Tensor:
+        """FBGEMM's epilogue factor per output: activation scale x weight scale, in float32."""
+        if self._epilogue is None or self._epilogue[0] != self.reduce_range:
+            act = torch.tensor(2.0 / (127 if self.reduce_range else 255), dtype=torch.float32)
+            self._epilogue = (self.reduce_range, act * self.weight_scales)
+        return self._epilogue[1]
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
@@ -354,16 +442,16 @@ class DynamicInt8Linear(Linear):
         out = self._product(x).to(x.dtype)
         return out if residual is None else out.add_(residual)
 
-    def _product(self, x: torch.Tensor, via_int_mm: bool | None = None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, engine: str | None = None) -> torch.Tensor:
         x = x.float()
         r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
-        rows = torch.cat([x / r, self.range_row])
-        if via_int_mm is None:
-            start = _int_mm_from_rows(self.reduce_range) if self.weight_t is not None else None
-            via_int_mm = start is not None and rows.shape[0] >= start
-        if via_int_mm:
-            out = _int_mm_product(rows, self.weight_t, self.weight_scales, self.reduce_range)[:-1].mul_(r)
+        if engine is None:
+            use = self.onednn_from is not None and x.shape[0] >= self.onednn_from
+            engine = "onednn" if use else "fbgemm"
+        if engine == "onednn":
+            out = _onednn_product(x / r, self).mul_(r)
         else:
+            rows = torch.cat([x / r, self.range_row])
             out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)[:-1].mul_(r)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -396,13 +484,16 @@ def linear_nbytes(linear) -> int:
     return linear.numel * size
 
 
-def quantized_linear(parts: list[QWeight | torch.Tensor], bias: torch.Tensor | None, kind: str):
+def quantized_linear(
+    parts: list[QWeight | torch.Tensor], bias: torch.Tensor | None, kind: str, onednn: bool | None = False
+):
     """One projection from the weights stacked in `parts` (float tensors are quantized to
     `kind`; QWeights are kept as they are): a QuantLinear when the formats agree, else a
-    ConcatLinear of one QuantLinear per format run."""
+    ConcatLinear of one QuantLinear per format run. onednn: a w8a8 projection's oneDNN copy
+    (DynamicInt8Linear), for a model that will choose_int8_kernels."""
     if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
         qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]
-        return DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias)  # probes at load
+        return DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias, onednn=onednn)
     qs = [p if isinstance(p, QWeight) else QWeight.from_float(p, kind) for p in parts]
     try:
         return QuantLinear(QWeight.cat(qs), bias)
