@@ -347,3 +347,22 @@ def test_draft_vocab_needs_a_draft_model_and_a_valid_list(pair_dir, tmp_path):
     bad.write_text("{not json")
     with pytest.raises(SpecDecodeError, match="not a JSON list"):
         frequent_ids(load(pair_dir[1]), bad)
+
+
+def test_the_int8_kernels_summary_says_which_kernel_from_how_many_rows_and_what_is_held_twice():
+    """The start-up line's clause: FBGEMM alone, or oneDNN from the chosen row counts, with the
+    bytes of the projections that keep both layouts."""
+    from specdecode.models.quant import int8_kernels_summary
+
+    g = torch.Generator().manual_seed(2)
+    lins = [DynamicInt8Linear(QWeight.from_float(torch.randn(32, 64, generator=g), "int8")) for _ in range(3)]
+    assert int8_kernels_summary([]) is None
+    assert int8_kernels_summary(lins) == "int8 products on FBGEMM"
+    for lin, start in zip(lins, (1, 4, None)):
+        lin.onednn = object()  # a packed copy, as choose_int8_kernels leaves it
+        lin.use_onednn_from(start)
+    nbytes = lins[1].nbytes  # the one split at 4 rows holds both
+    assert int8_kernels_summary(lins) == (
+        f"int8 products on oneDNN from 1-4 rows by shape, FBGEMM below; {nbytes / 1e9:.2f} GB of weights "
+        "held in both layouts"
+    )

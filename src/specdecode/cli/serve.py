@@ -223,10 +223,14 @@ def memory_line(gen, args: argparse.Namespace) -> str:
     def gb(n: float) -> str:
         return f"{n / 1e9:.2f} GB"
 
+    from ..models.quant import int8_kernels_summary
+
     parts = []
     weights = getattr(gen.target, "weight_bytes", None)
     if weights is not None:
-        parts.append(f"target weights {gb(weights())}")
+        linears = getattr(gen.target, "linears", None)
+        kernels = int8_kernels_summary([lin for _, lin in linears()]) if linears else None
+        parts.append(f"target weights {gb(weights())}" + (f" ({kernels})" if kernels else ""))
     drafter = gen.drafter if hasattr(gen.drafter, "model") else getattr(gen.drafter, "inner", None)
     model = getattr(drafter, "model", None)
     if model is not None and getattr(model, "weight_bytes", None) is not None:

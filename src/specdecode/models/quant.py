@@ -362,6 +362,21 @@ def choose_int8_kernels(linears: list, rows: tuple[int, ...] = PROBE_ROWS, repea
     return chosen
 
 
+def int8_kernels_summary(linears: list) -> str | None:
+    """One clause for a start-up line: which kernel a model's w8a8 products take, and the bytes
+    held in both kernels' layouts (None without w8a8 projections)."""
+    lins = [lin for lin in linears if isinstance(lin, DynamicInt8Linear)]
+    if not lins:
+        return None
+    starts = sorted({lin.onednn_from for lin in lins if lin.onednn_from is not None})
+    if not starts:
+        return "int8 products on FBGEMM"
+    rows = str(starts[0]) if len(starts) == 1 else f"{starts[0]}-{starts[-1]}"
+    both = sum(lin.nbytes for lin in lins if lin.onednn is not None and lin.packed is not None)
+    held = f"; {both / 1e9:.2f} GB of weights held in both layouts" if both else ""
+    return f"int8 products on oneDNN from {rows} rows by shape, FBGEMM below{held}"
+
+
 class DynamicInt8Linear(Linear):
     """int8 weights (one scale per output row) times int8 activations, each row quantized on the
     fly with its own scale: an integer GEMM that streams the weight once for all rows, so a few
