@@ -287,7 +287,7 @@ def _probe_pairs(gen: torch.Generator):
 @functools.cache
 def onednn_exact(reduce_range: bool) -> bool:
     """Whether oneDNN's int8 linear runs here and gives FBGEMM's products bit for bit on the
-    probe (_probe_pairs, 1 to 9 rows; 64 rows of the last pair): checked once per process, never
+    probe (_probe_pairs: 1 to 9 rows, and 72 rows, of each pair): checked once per process, never
     assumed from CPU flags. SPECDECODE_ONEDNN_W8A8=0 says no without asking."""
     import os
 
@@ -408,6 +408,7 @@ class DynamicInt8Linear(Linear):
         self.weight = None
         self.weight_scales = weight.scales.double().float()  # as FBGEMM rounds them
         self._epilogue: tuple[bool, torch.Tensor] | None = None
+        # oneDNN's unit scales and zero points (its output is then the integer sums)
         self.unit = (torch.ones(self.out_features), torch.zeros(self.out_features, dtype=torch.long))
         # FBGEMM's packed weight; oneDNN's too when asked (True; None: where onednn_exact()), for
         # choose_int8_kernels to time both on the model's layers (every product is FBGEMM's until
@@ -433,13 +434,14 @@ class DynamicInt8Linear(Linear):
                 warnings.simplefilter("ignore")
                 q = torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
             self.onednn = torch.ops.onednn.qlinear_prepack(q, None)
+            self.unit = (torch.ones(self.out_features), torch.zeros(self.out_features, dtype=torch.long))
 
     def use_onednn_from(self, rows: int | None) -> None:
         """Products of `rows` rows or more through oneDNN (None: never), the other kernel's
         copy of the weights dropped where it is no longer called."""
         self.onednn_from = rows if self.onednn is not None else None
         if self.onednn_from is None:
-            self.onednn = None
+            self.onednn = self.unit = None
         elif self.onednn_from <= 1:
             self.packed = None
 
