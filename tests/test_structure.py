@@ -12,8 +12,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 APPLICATIONS = ("cli", "serve", "bench", "lab", "train", "demo", "plan", "chat")
 # the library's layers, bottom to top (the README's map); the applications sit above all of them
 LAYERS = (
-    ("errors", "progress"),
+    ("errors", "progress", "paths"),
     ("formats",),
+    ("kernels",),
     ("models", "core", "roofline"),
     ("drafters", "autotune"),
     ("engine",),

@@ -51,6 +51,11 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat(
             "w8a8", "float32", "w8a8", 1, "int8 weights x int8 activations per row (FBGEMM)", openvino=False
         ),
+        # specdecode's kernel (kernels/): the rows stay float32 and each is quantized to int8 itself
+        WeightFormat(
+            "kq", "float32", "kq", 0.5 + 16 / 256,
+            "GGUF blocks x int8 rows, specdecode's kernel: a GGUF's own, else Q4_K", openvino=False,
+        ),
         WeightFormat("q4_k", "bfloat16", "q4_k", 0.5 + 12 / 256, "a GGUF's Q4_K blocks", True, False, False),
         WeightFormat("q8_0", "bfloat16", "q8_0", 1 + 2 / 32, "a GGUF's Q8_0 blocks", True, False, False),
     )

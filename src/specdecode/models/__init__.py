@@ -42,6 +42,7 @@ __all__ = [
     "HFModel",
     "LlamaModel",
     "extend",
+    "gguf_source",
     "load",
     "logits_of",
     "models_dir",
@@ -82,14 +83,78 @@ def _zoo_dir(name: str, dtype: torch.dtype) -> Path:
         ) from None
 
 
+def _file_hash(path: Path) -> str:
+    """The sha256 of a file (its first 16 hex digits), read once per size and modification time
+    (kept beside the conversions) so a 1 GB model is not hashed at every load."""
+    import hashlib
+
+    st = path.stat()
+    index = cache_dir() / "gguf-files" / "hashes.json"
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key not in known:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        known[key] = h.hexdigest()[:16]
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            index.write_text(json.dumps(known, indent=1))
+        except OSError:
+            pass
+    return known[key]
+
+
+def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a model comes from: a zoo name's installed file or a path ending in .gguf
+    (None for anything else)."""
+    s = str(name_or_path)
+    if s in ZOO and not Path(s).is_dir():
+        try:
+            return ZOO[s].gguf_path()
+        except SpecDecodeError as e:
+            raise SpecDecodeError(f"model {s!r}: {e}") from None
+    path = Path(s).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise SpecDecodeError(f"{s}: no such GGUF file; pass the path of a .gguf model file")
+        return path
+    return None
+
+
+def _gguf_file_dir(path: Path, dtype: torch.dtype) -> Path:
+    """The converted directory of any Llama/Qwen2/Qwen3 .gguf file (tokenizer, config, float
+    weights for the embedding table), converted once and kept under the file's hash."""
+    from .gguf_import import import_gguf
+
+    if dtype not in _DTYPE_DIRS:
+        raise SpecDecodeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    out = cache_dir() / "gguf-files" / f"{path.stem}-{_file_hash(path)}" / _DTYPE_DIRS[dtype]
+    if (out / "config.json").exists():
+        return out
+    print(f"specdecode: converting {path.name} to {out} ({_DTYPE_DIRS[dtype]}, once)", file=sys.stderr)
+    try:
+        return import_gguf(path, out, dtype, progress=True)
+    except OSError as e:
+        raise SpecDecodeError(
+            f"cannot write {out}: {e.strerror}; set SPECDECODE_CACHE to a writable directory"
+        ) from None
+
+
 def resolve(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
     """A model directory for a bundled or zoo name or a path; SpecDecodeError if there is none.
     A zoo name (smollm2-135m, qwen2.5-coder-1.5b, ...) is converted from its installed GGUF on
-    first use, in `dtype`."""
+    first use, in `dtype`; so is a path to a .gguf file (cached by the file's hash)."""
     s = str(name_or_path)
     if s in ZOO and not Path(s).is_dir():
         return _zoo_dir(s, dtype)
     path = Path(s).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return _gguf_file_dir(gguf_source(path), dtype)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise SpecDecodeError(f"{s} has no config.json; pass a Hugging Face model directory")
@@ -166,15 +231,12 @@ def _gguf_qweights(name: str, fmt: str):
     """(the GGUF's quantized projections by our weight names, the kind the rest are quantized to)."""
     from .gguf_quant import read_qweights
 
-    if name not in ZOO:
+    gguf = gguf_source(name)
+    if gguf is None:
         raise SpecDecodeError(
-            f"--dtype {fmt} keeps an installed GGUF's own quantization: use a zoo model "
-            f"({', '.join(ZOO)}), or int4 / int8 to quantize {name}"
+            f"--dtype {fmt} keeps a GGUF's own quantization: use a zoo model "
+            f"({', '.join(ZOO)}) or a .gguf file, or int4 / int8 to quantize {name}"
         )
-    try:
-        gguf = ZOO[name].gguf_path()
-    except SpecDecodeError as e:
-        raise SpecDecodeError(f"model {name!r}: {e}") from None
     return read_qweights(gguf, fmt)
 
 
@@ -205,7 +267,7 @@ def load(
         backend = "lean"
     path = resolve(name_or_path, dtype if quant is None else torch.bfloat16)
     fmt = quant
-    if quant in GGUF_QUANTS:
+    if quant in GGUF_QUANTS or (quant == "kq" and gguf_source(name_or_path) is not None):
         qweights, quant = _gguf_qweights(str(name_or_path), quant)
     try:
         cfg = json.loads((path / "config.json").read_text())

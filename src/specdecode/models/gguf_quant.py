@@ -8,13 +8,18 @@ int4 group-32 format, w = (q - 8) * s + z, with s = d * sc and z = 8 * s - dmin 
 values are kept bit for bit and only s and z are rounded, to the bf16 the kernel multiplies by
 (2^-8 relative each; `compare()` reports the largest absolute difference to the file).
 
-Other types have no kernel of their own here: Q6_K, Q5_0, Q8_0 and float matrices become int8
+Other types have no torch kernel of their own: Q6_K, Q5_0, Q8_0 and float matrices become int8
 with one scale per output row, quantized from their dequantized values (int8 keeps more than
 the 5-6 bits these carry, up to the row's range). `q8_0` requantizes everything that way.
+
+`kq` (specdecode's kernel, kernels/) keeps every Q4_K, Q6_K and Q8_0 tensor byte for byte and
+Q5_0 as Q8_0 with the same integers: the very weights llama.cpp reads. Any other type (F16, Q4_1,
+...) is dequantized and rounded to Q8_0, said once per file on stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,12 +27,13 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
+from ..kernels.blocks import BlockWeight, q5_0_as_q8_0, quantize_q8_0
 from .gguf_import import _field, _require_gguf, hf_name, unpermute_rope
 from .quant import QWeight, _bf16
 
 # what a fmt keeps as is: GGUF type name -> our format
-KEEPS = {"q4_k": ("Q4_K",), "q8_0": ()}
-FALLBACK = "int8"  # every other matrix
+KEEPS = {"q4_k": ("Q4_K",), "q8_0": (), "kq": ("Q4_K", "Q6_K", "Q8_0", "Q5_0")}
+FALLBACK = "int8"  # every other matrix (kq: Q8_0)
 
 
 def q4_k_to_int4(blocks: np.ndarray, rows: int, cols: int) -> QWeight:
@@ -64,6 +70,7 @@ class GGUFQWeights(Mapping):
             "k_proj": int(_field(self.reader, f"{arch}.attention.head_count_kv")),
         }
         self.permuted = arch == "llama"  # llama.cpp interleaved llama's q/k rows (gguf_import.py)
+        self.rounded: set[str] = set()
         self.tensors = {}
         for t in self.reader.tensors:
             name = hf_name(t.name)
@@ -76,17 +83,34 @@ class GGUFQWeights(Mapping):
     def __iter__(self):
         return iter(self.tensors)
 
-    def __getitem__(self, name: str) -> QWeight:
+    def __getitem__(self, name: str) -> QWeight | BlockWeight:
         gguf = _require_gguf()
         t = self.tensors[name]
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
         kind = t.tensor_type.name
+        if self.fmt == "kq":
+            return self._unpermute(name, self._blocks(t, kind, rows, cols))
         if kind in KEEPS[self.fmt] and kind == "Q4_K":
             q = q4_k_to_int4(t.data, rows, cols)
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
             q = QWeight.from_float(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), FALLBACK)
         return self._unpermute(name, q)
+
+    def _blocks(self, t, kind: str, rows: int, cols: int) -> BlockWeight:
+        """A tensor's blocks for the kernel: as stored, Q5_0 as Q8_0, anything else rounded to Q8_0."""
+        raw = np.asarray(t.data).reshape(rows, -1)
+        if kind in ("Q4_K", "Q6_K", "Q8_0"):
+            return BlockWeight(kind.lower(), raw, cols)
+        if kind == "Q5_0":
+            return BlockWeight("q8_0", q5_0_as_q8_0(raw), cols)
+        if kind not in self.rounded:
+            self.rounded.add(kind)
+            print(f"specdecode: {self.path.name}: its {kind} matrices have no kernel of their own; "
+                  "rounded to Q8_0 (8 bits per 32)", file=sys.stderr)
+        gguf = _require_gguf()
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
+        return quantize_q8_0(np.asarray(w, dtype=np.float32))
 
     def dequantized(self, name: str) -> torch.Tensor:
         """The file's own dequantization of a matrix (float32 [rows, cols], as our runtime lays it out)."""
@@ -106,10 +130,12 @@ class GGUFQWeights(Mapping):
     def _order(self, rows: int, n_head: int) -> torch.Tensor:
         return torch.from_numpy(unpermute_rope(np.arange(rows)[:, None], n_head)[:, 0].copy())
 
-    def _unpermute(self, name: str, q: QWeight) -> QWeight:
+    def _unpermute(self, name: str, q: QWeight | BlockWeight) -> QWeight | BlockWeight:
         proj = name.split(".")[-2]
         if not self.permuted or proj not in self.heads:
             return q
+        if isinstance(q, BlockWeight):
+            return q.rows(self._order(q.raw.shape[0], self.heads[proj]).numpy())
         order = self._order(q.q.shape[0], self.heads[proj])
         zeros = None if q.zeros is None else q.zeros[order]
         return QWeight(q.bits, q.q[order], q.scales[order], zeros, q.group, q.in_features)
@@ -121,7 +147,8 @@ class GGUFQWeights(Mapping):
         for name in self.tensors:
             kind = self.type_of(name)
             q = self[name]
-            diff = float((q.dequantize() - self.dequantized(name)).abs().max())
+            ours = torch.as_tensor(q.dequantize())
+            diff = float((ours - self.dequantized(name)).abs().max())
             row = out.setdefault(kind, {"matrices": 0, "ours": q.kind, "max_abs_diff": 0.0})
             row["matrices"] += 1
             row["max_abs_diff"] = max(row["max_abs_diff"], diff)
@@ -129,5 +156,6 @@ class GGUFQWeights(Mapping):
 
 
 def read_qweights(path: str | Path, fmt: str) -> tuple[GGUFQWeights, str]:
-    """(the file's matrices as QWeights by our names, the format the rest are quantized to)."""
-    return GGUFQWeights(path, fmt), FALLBACK
+    """(the file's matrices as QWeights (kq: BlockWeights) by our names, the format the rest are
+    quantized to)."""
+    return GGUFQWeights(path, fmt), ("kq" if fmt == "kq" else FALLBACK)

@@ -19,15 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SPECDECODE_CACHE, else $XDG_CACHE_HOME/specdecode, else
-    ~/.cache/specdecode."""
-    env = os.environ.get("SPECDECODE_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
+from ..paths import cache_dir
 
 
 def package_dir(package: str) -> Path | None:

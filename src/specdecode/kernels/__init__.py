@@ -1,0 +1,194 @@
+"""specdecode's quantized linear kernel (csrc/): GGUF blocks (Q4_K, Q6_K, Q8_0) times int8
+activations, weight-stationary, the same bits for every row count, instruction set and thread
+count. The rest of the runtime sees `linear(x, packed)`.
+
+Which instruction-set path runs is decided once per process: every path this build has and this
+CPU runs (cpuid + xgetbv, in C) is checked bit for bit against the scalar reference on random
+and extreme inputs (`selfcheck`); of those that pass, the fastest on a timed product runs.
+SPECDECODE_ISA=ref|avx2|avxvnni|avx512vnni forces one (an error if it cannot run or fails the
+check). Without a compiler or with a failed build, `available()` is False with one line on
+stderr, and the formats that need the kernel are not offered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ..errors import SpecDecodeError
+from .blocks import CODE, BlockWeight, quantize_q4_k, quantize_q8_0
+from .build import BuildError, built_library
+
+ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order
+ABI = 1
+
+__all__ = ["ISAS", "BlockWeight", "PackedWeight", "available", "chosen_isa", "linear", "quantize_q4_k",
+           "quantize_q8_0", "runnable_isas", "selfcheck"]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("SPECDECODE_KERNEL", "1") == "0":
+        return None
+    try:
+        path = built_library()
+    except BuildError as e:
+        print(f"specdecode: the quantized kernel is not available ({e}); using torch's kernels",
+              file=sys.stderr)
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        print(f"specdecode: cannot load the quantized kernel ({e}); using torch's kernels", file=sys.stderr)
+        return None
+    if lib.sdk_abi_version() != ABI:
+        print("specdecode: the quantized kernel's build is stale; remove it and rerun", file=sys.stderr)
+        return None
+    lib.sdk_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.sdk_linear.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded here (building it on first use)."""
+    return _lib() is not None
+
+
+def runnable_isas() -> list[str]:
+    """The paths this build has and this CPU and OS run (before the self-check)."""
+    lib = _lib()
+    return [] if lib is None else [name for i, name in enumerate(ISAS) if lib.sdk_isa_runs(i)]
+
+
+class PackedWeight:
+    """A BlockWeight in the kernel's tiles (what `linear` multiplies by)."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        self.kind, self.code = weight.kind, CODE[weight.kind]
+        self.out_features, self.in_features = weight.shape
+        self.tiles = torch.from_numpy(np.ascontiguousarray(weight.tiles()))
+        self.blocks = self.tiles.shape[1]
+        self.nbytes = self.tiles.numel()
+
+
+def _call(lib, x: torch.Tensor, w: PackedWeight, isa: int, threads: int) -> torch.Tensor:
+    x = x.detach().to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], w.out_features)
+    rc = lib.sdk_linear(w.code, w.tiles.data_ptr(), w.out_features, w.blocks, w.in_features,
+                        x.data_ptr(), x.shape[0], y.data_ptr(), isa, threads)
+    if rc != 0:
+        raise SpecDecodeError(f"the quantized kernel refused a product ({rc}: {ISAS[isa]}, {tuple(x.shape)} "
+                              f"x {w.kind} {w.out_features}x{w.in_features})")
+    return y
+
+
+def linear(
+    x: torch.Tensor, w: PackedWeight, isa: str | None = None, threads: int | None = None
+) -> torch.Tensor:
+    """x [M, in] float -> x W^T [M, out] float32, on the chosen path (or `isa`), split over
+    torch's thread count (or `threads`) by output tiles."""
+    lib = _lib()
+    if lib is None:
+        raise SpecDecodeError("the quantized kernel is not built here (no C compiler?); use another --dtype")
+    if x.shape[-1] != w.in_features:
+        raise SpecDecodeError(f"input width {x.shape[-1]} does not match the weight's {w.in_features}")
+    i = ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa())
+    return _call(lib, x, w, i, threads or torch.get_num_threads())
+
+
+def set_fault(on: bool) -> None:
+    """Tests only: the SIMD paths add 1 to one lane of one integer sum (the self-check's negative
+    control). Clears the cached choice."""
+    lib = _lib()
+    if lib is not None:
+        lib.sdk_set_fault(int(on))
+    chosen_isa.cache_clear()
+    _checked.cache_clear()
+
+
+def _check_cases(gen: np.random.Generator):
+    """(weight, rows) pairs every path must give the reference's bits on: each format, widths
+    that are not whole blocks, 1-16 and 64 rows, random values over decades, and the extremes
+    (codes of +-127 against the largest nibbles, bytes and scales)."""
+    for k, n in ((256, 16), (520, 40), (96, 24)):
+        w = (gen.standard_normal((n, k)) * np.logspace(-2, 1, n)[:, None]).astype(np.float32)
+        w[0] = 1.0
+        w[1, ::2], w[1, 1::2] = 4.0, -4.0
+        x = (gen.standard_normal((70, k)) * np.logspace(-3, 2, 70)[:, None]).astype(np.float32)
+        x[0], x[1] = 1.0, -1.0
+        x[2, ::2], x[2, 1::2] = 1.0, -1.0
+        for weight in (quantize_q4_k(w), quantize_q8_0(w), _q6_k_of(w, gen)):
+            yield weight, torch.from_numpy(x)
+
+
+def _q6_k_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
+    """A Q6_K matrix of w's shape with random bytes and scales (the extremes included)."""
+    n, k = w.shape
+    nb = -(-k // 256)
+    raw = gen.integers(0, 256, (n, nb, 210), dtype=np.uint8)
+    raw[0, :, :192] = 0xFF  # every value 63
+    raw[..., 192:208] = gen.integers(-128, 128, (n, nb, 16)).astype(np.int8).view(np.uint8)
+    raw[0, :, 192:208] = np.uint8(0x80)  # scale -128
+    raw[..., 208:210] = np.float16(0.01 * (1 + gen.random())).reshape(1).view(np.uint8)
+    return BlockWeight("q6_k", raw.reshape(n, -1), k)
+
+
+@functools.cache
+def _checked(isa: str) -> bool:
+    lib = _lib()
+    if lib is None or isa not in runnable_isas():
+        return False
+    gen = np.random.default_rng(0)
+    ref, i = ISAS.index("ref"), ISAS.index(isa)
+    for weight, x in _check_cases(gen):
+        packed = PackedWeight(weight)
+        want = _call(lib, x, packed, ref, 1)
+        for rows in (1, 2, 3, 5, 8, 9, 16, 64, 70):
+            for threads in (1, 2):
+                if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
+                    return False
+    return True
+
+
+def selfcheck(isa: str) -> bool:
+    """Whether `isa` runs here and gives the scalar reference's bits on the check cases."""
+    return _checked(isa)
+
+
+@functools.cache
+def chosen_isa() -> str:
+    """The path products take: SPECDECODE_ISA when set, else the fastest of those that pass the
+    self-check (timed on a 4 MB Q4_K product at 1 and 8 rows)."""
+    forced = os.environ.get("SPECDECODE_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise SpecDecodeError(f"SPECDECODE_ISA={forced!r}: choose one of {', '.join(ISAS)}")
+        if not selfcheck(forced):
+            raise SpecDecodeError(
+                f"SPECDECODE_ISA={forced}: this machine cannot run it or it failed its self-check "
+                f"(runnable here: {', '.join(runnable_isas()) or 'none'})"
+            )
+        return forced
+    passing = [isa for isa in runnable_isas() if isa != "ref" and selfcheck(isa)]
+    if not passing:
+        return "ref"
+    if len(passing) == 1:
+        return passing[0]
+    gen = np.random.default_rng(1)
+    w = PackedWeight(quantize_q4_k(gen.standard_normal((2048, 4096)).astype(np.float32)))
+    x = torch.from_numpy(gen.standard_normal((8, 4096)).astype(np.float32))
+    lib, threads, best = _lib(), torch.get_num_threads(), {}
+    for _ in range(3):
+        for isa in passing:
+            t0 = time.perf_counter()
+            for rows in (1, 8):
+                _call(lib, x[:rows], w, ISAS.index(isa), threads)
+            best[isa] = min(best.get(isa, 1e9), time.perf_counter() - t0)
+    return min(passing, key=best.__getitem__)

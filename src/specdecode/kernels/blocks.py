@@ -1,0 +1,228 @@
+"""GGUF block formats as the kernel reads them: decoding a file's Q4_K, Q6_K, Q8_0 and Q5_0 rows,
+quantizing float rows to Q4_K or Q8_0, and repacking rows into the kernel's tiles.
+
+A `BlockWeight` is a matrix as a GGUF stores it: `raw` [rows, bytes per row] in llama.cpp's own
+block layout, so a file's tensor is used byte for byte (rows may be reordered, stacked or
+selected without touching a block). Q5_0 rows become Q8_0 rows with the same scale and the same
+integers (-16..15 fit a byte): no value changes. `tiles()` lays the blocks out for the kernel:
+groups of 16 output rows, per block their integers first (4 inputs x 16 rows per 64 bytes, the
+order a vpdpbusd reads), then the scales; sdk.h gives the record sizes.
+
+Layouts (ggml's, ggml-common.h): Q4_K, 144 bytes per 256: fp16 d, fp16 dmin, 12 bytes of 6-bit
+scales and mins, 128 bytes of nibbles (chunk c of 64: low nibbles inputs c*64..+31, high ones
+c*64+32..+63); w = d * sc * q - dmin * m. Q6_K, 210 bytes per 256: 128 bytes of low nibbles, 64 of
+high 2-bit pairs, 16 int8 scales (one per 16), fp16 d; w = d * sc * (q - 32). Q8_0, 34 bytes per
+32: fp16 d, 32 int8; w = d * q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import SpecDecodeError
+
+TILE = 16
+BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34)}  # inputs, bytes
+RECORD = {"q4_k": 2048 + 128 + 128 + 32 + 32, "q6_k": 2048 + 1024 + 256 + 32, "q8_0": 512 + 32}
+CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3}  # sdk.h's SDK_Q4K, SDK_Q6K, SDK_Q8_0
+
+
+@dataclass
+class BlockWeight:
+    """A [rows, in_features] matrix in a GGUF block format (raw: [rows, blocks * block bytes])."""
+
+    kind: str
+    raw: np.ndarray
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.in_features)
+
+    @property
+    def blocks(self) -> int:
+        return self.raw.shape[1] // BLOCK[self.kind][1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def rows(self, index) -> BlockWeight:
+        """These rows (an index array or slice), blocks untouched."""
+        return BlockWeight(self.kind, np.ascontiguousarray(self.raw[index]), self.in_features)
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight:
+        first = parts[0]
+        if any((p.kind, p.raw.shape[1]) != (first.kind, first.raw.shape[1]) for p in parts):
+            raise ValueError("formats differ")
+        return BlockWeight(first.kind, np.concatenate([p.raw for p in parts]), first.in_features)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 [rows, in_features] matrix the blocks stand for (ggml's dequantization)."""
+        n = self.raw.shape[0]
+        if self.kind == "q8_0":
+            d, q = _q8_0_fields(self.raw)
+            w = q.astype(np.float32) * d[..., None]
+        elif self.kind == "q4_k":
+            d, dmin, sc, mn, q = _q4_k_fields(self.raw)
+            scale = (d[..., None] * sc).repeat(32, -1)  # [n, nb, 256]
+            mins = (dmin[..., None] * mn).repeat(32, -1)
+            w = scale * q - mins
+        else:
+            d, sc, q = _q6_k_fields(self.raw)
+            w = (d[..., None] * sc).repeat(16, -1) * (q.astype(np.float32) - 32)
+        return w.reshape(n, -1)[:, : self.in_features].astype(np.float32)
+
+    def tiles(self) -> np.ndarray:
+        """The kernel's layout: uint8 [ceil(rows / 16), blocks, record bytes]."""
+        pad = -self.raw.shape[0] % TILE
+        raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
+        return {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0}[self.kind](raw)
+
+
+def _f16(raw: np.ndarray, offset: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[..., offset : offset + 2]).view(np.float16)[..., 0]
+
+
+def _blocks(raw: np.ndarray, kind: str) -> np.ndarray:
+    return raw.reshape(raw.shape[0], -1, BLOCK[kind][1])
+
+
+def _q8_0_fields(raw):
+    b = _blocks(raw, "q8_0")
+    return _f16(b, 0).astype(np.float32), np.ascontiguousarray(b[..., 2:]).view(np.int8)
+
+
+def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+    s = s.astype(np.uint8)
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    sc = np.concatenate([lo & 63, (s[..., 8:12] & 15) | ((lo >> 6) << 4)], -1)
+    mn = np.concatenate([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _q4_k_fields(raw):
+    b = _blocks(raw, "q4_k")
+    d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
+    sc, mn = _scale_min_k4(b[..., 4:16])
+    qs = b[..., 16:].reshape(*b.shape[:2], 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    q = (qs & 15).reshape(*b.shape[:2], 256)
+    return d, dmin, sc, mn, q
+
+
+def _q6_k_fields(raw):
+    b = _blocks(raw, "q6_k")
+    nb = b.shape[:2]
+    ql, qh = b[..., :128].reshape(*nb, 2, 64), b[..., 128:192].reshape(*nb, 2, 32)
+    parts = [
+        (ql[..., :32] & 15) | ((qh >> 0) & 3) << 4,
+        (ql[..., 32:] & 15) | ((qh >> 2) & 3) << 4,
+        (ql[..., :32] >> 4) | ((qh >> 4) & 3) << 4,
+        (ql[..., 32:] >> 4) | ((qh >> 6) & 3) << 4,
+    ]
+    q = np.stack(parts, -2).reshape(*nb, 256)  # [.., half, part, 32]: input half*128 + part*32 + l
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    return _f16(b, 208).astype(np.float32), sc, q
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows (22 bytes per 32: fp16 d, 32 high bits, 16 bytes of nibbles; w = d * (q - 16))
+    as Q8_0 rows with the same d and the same integers."""
+    b = raw.reshape(raw.shape[0], -1, 22)
+    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, nb, 1]
+    qs = b[..., 6:22]
+    bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, nb, 32]
+    q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int16) | (bits.astype(np.int16) << 4)
+    out = np.empty((*b.shape[:2], 34), np.uint8)
+    out[..., 0:2] = b[..., 0:2]
+    out[..., 2:] = (q - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(raw.shape[0], -1)
+
+
+def quantize_q8_0(w: np.ndarray) -> BlockWeight:
+    """Float [rows, k] -> Q8_0 (round to nearest, d = max|w| / 127 per 32 as fp16)."""
+    n, k = w.shape
+    w = np.pad(w.astype(np.float32), ((0, 0), (0, -k % 32))).reshape(n, -1, 32)
+    d = (np.abs(w).max(-1) / 127).astype(np.float16)
+    inv = np.where(d > 0, 1 / np.maximum(d.astype(np.float32), 1e-30), 0)
+    q = np.clip(np.rint(w * inv[..., None]), -127, 127).astype(np.int8)
+    out = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], -1)
+    return BlockWeight("q8_0", out.reshape(n, -1), k)
+
+
+def quantize_q4_k(w: np.ndarray) -> BlockWeight:
+    """Float [rows, k] -> Q4_K by rounding to nearest (no search, unlike llama-quantize): per 32 a
+    scale (max - min) / 15 and a minimum min(w, 0), each as 6 bits of the super-block's fp16 d and
+    dmin."""
+    n, k = w.shape
+    w = np.pad(w.astype(np.float32), ((0, 0), (0, -k % 256))).reshape(n, -1, 8, 32)
+    lo = np.minimum(w.min(-1), 0)
+    scale = (w.max(-1) - lo) / 15
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(np.where(d32 > 0, scale / np.maximum(d32, 1e-30), 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(np.where(dmin32 > 0, -lo / np.maximum(dmin32, 1e-30), 0)), 0, 63).astype(np.uint8)
+    step = (d32 * sc)[..., None]
+    off = (dmin32 * mn)[..., None]
+    q = np.clip(np.rint(np.where(step > 0, (w + off) / np.maximum(step, 1e-30), 0)), 0, 15).astype(np.uint8)
+    scales = np.zeros((*sc.shape[:2], 12), np.uint8)
+    scales[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    q = q.reshape(*q.shape[:2], 4, 2, 32)  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
+    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales, qs], -1)
+    return BlockWeight("q4_k", out.reshape(n, -1), k)
+
+
+def _nibble_tiles(q: np.ndarray) -> np.ndarray:
+    """[n, nb, 256] values < 16 -> [T, nb, 2048] bytes: per 32 inputs, 4 vectors of 64 bytes whose
+    byte c * 4 + kk holds input i * 4 + kk (low nibble) and (i + 4) * 4 + kk (high) of row c."""
+    t, nb = q.shape[0] // TILE, q.shape[1]
+    q = q.reshape(t, TILE, nb, 8, 2, 4, 4)  # tile, row, block, sub-block, half, i, kk
+    b = q[..., 0, :, :] | (q[..., 1, :, :] << 4)  # [t, 16, nb, 8, 4, 4]
+    return b.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 2048)
+
+
+def _per_row(x: np.ndarray, t: int) -> np.ndarray:
+    """[n, nb, s] per-row values -> [T, nb, s * 16] (value s of the 16 rows side by side)."""
+    nb, s = x.shape[1], x.shape[2]
+    return np.ascontiguousarray(x.reshape(t, TILE, nb, s).transpose(0, 2, 3, 1)).reshape(t, nb, s * TILE)
+
+
+def _tiles_q4_k(raw):
+    d, dmin, sc, mn, q = _q4_k_fields(raw)
+    t = raw.shape[0] // TILE
+    f16 = lambda x: _per_row(x.astype(np.float16)[..., None], t).view(np.uint8)  # noqa: E731
+    return np.concatenate([_nibble_tiles(q), _per_row(sc, t), _per_row(mn, t), f16(d), f16(dmin)], -1)
+
+
+def _tiles_q6_k(raw):
+    d, sc, q = _q6_k_fields(raw)
+    t, nb = raw.shape[0] // TILE, q.shape[1]
+    hi = (q >> 4).reshape(t, TILE, nb, 8, 2, 4, 4)  # tile, row, block, chunk, half, i, kk
+    hb = sum(hi[..., i, :] << (2 * i) for i in range(4)).astype(np.uint8)  # [t, 16, nb, 8, 2, 4]
+    hb = hb.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 1024)
+    scales = _per_row(sc.astype(np.int8).view(np.uint8), t)
+    f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
+    return np.concatenate([_nibble_tiles(q & 15), hb, scales, f16], -1)
+
+
+def _tiles_q8_0(raw):
+    d, q = _q8_0_fields(raw)
+    t, nb = raw.shape[0] // TILE, q.shape[1]
+    u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(t, TILE, nb, 8, 4)
+    u = u.transpose(0, 2, 3, 1, 4).reshape(t, nb, 512)
+    f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
+    return np.concatenate([u, f16], -1)
+
+
+def check_kind(kind: str) -> str:
+    if kind not in BLOCK:
+        raise SpecDecodeError(f"the kernel reads {', '.join(BLOCK)} blocks, not {kind!r}")
+    return kind

@@ -1,0 +1,133 @@
+"""Compiling the kernel with the system's C compiler, once per source, compiler and machine kind.
+
+The library is built into $SPECDECODE_CACHE/kernels/<key>/ where the key hashes the sources, the
+compiler's version and the flags, so an edited source or another compiler builds anew and a
+stale build is never loaded. Each instruction-set file is compiled with its own flags (never
+-march=native: the same build runs on every x86 CPU, and which path runs is decided at run time
+by cpuid plus a self-check); a file the compiler cannot build leaves that path out. The library
+links torch's own OpenMP runtime when torch ships one, so the kernel's threads are torch's pool.
+A build's sha256 is written beside it and checked before loading: a corrupt file is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..paths import cache_dir
+
+CSRC = Path(__file__).parent / "csrc"
+BASE_FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing"]
+# source -> extra flags; the core and the reference are required, the ISA files optional
+UNITS = {
+    "sdk_core.c": ["-fopenmp"],
+    "sdk_ref.c": [],
+    "sdk_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "sdk_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
+    "sdk_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+}
+REQUIRED = ("sdk_core.c", "sdk_ref.c")
+LIB = "libspecdecode_kernel.so"
+
+
+class BuildError(RuntimeError):
+    """The kernel could not be built here (no compiler, a failed compile or link)."""
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH; None when there is none."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name.split()[0]):
+            return name
+    return None
+
+
+def _torch_gomp() -> Path | None:
+    """torch's bundled OpenMP runtime (libgomp.so.1 in torch/lib), to share its thread pool."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    lib = Path(torch.__file__).parent / "lib"
+    return lib if (lib / "libgomp.so.1").exists() else None
+
+
+def build_key(cc: str) -> str:
+    """A hash of the sources, the compiler's version, the flags and the OpenMP runtime linked."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC.iterdir()):
+        if f.suffix in (".c", ".h"):
+            h.update(f.name.encode() + f.read_bytes())
+    try:
+        run = subprocess.run([cc.split()[0], "--version"], capture_output=True, text=True, timeout=30)
+        version = run.stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h.update(version.encode())
+    h.update(json.dumps([BASE_FLAGS, UNITS, str(_torch_gomp())]).encode())
+    return h.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def built_library(verbose: bool = False) -> Path:
+    """The compiled library's path, building it first when there is no sound build for these
+    sources and this compiler. Raises BuildError with one line when it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        raise BuildError("no C compiler found (set CC or install gcc)")
+    out = cache_dir() / "kernels" / build_key(cc)
+    lib, manifest = out / LIB, out / "manifest.json"
+    if lib.exists() and manifest.exists():
+        try:
+            if json.loads(manifest.read_text()).get("sha256") == _sha256(lib):
+                return lib
+        except (json.JSONDecodeError, OSError):
+            pass
+        print(f"specdecode: the kernel build in {out} is corrupt; rebuilding it", file=sys.stderr)
+    return _build(cc, out, verbose)
+
+
+def _build(cc: str, out: Path, verbose: bool) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    missing = []
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        objs = []
+        for src, flags in UNITS.items():
+            obj = Path(tmp) / (src[:-2] + ".o")
+            cmd = [*cc.split(), *BASE_FLAGS, *flags, "-c", str(CSRC / src), "-o", str(obj)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                if src in REQUIRED:
+                    raise BuildError(f"{cc} failed on {src}: {_first_error(r.stderr)}")
+                missing.append(src[4:-2])
+                continue
+            objs.append(str(obj))
+        gomp = _torch_gomp()
+        omp = [f"-L{gomp}", "-lgomp", f"-Wl,-rpath,{gomp}"] if gomp else ["-fopenmp"]
+        tmp_lib = Path(tmp) / LIB
+        cmd = [*cc.split(), "-shared", *objs, "-o", str(tmp_lib), *omp, "-lm"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"{cc} failed to link the kernel: {_first_error(r.stderr)}")
+        os.replace(tmp_lib, out / LIB)
+    (out / "manifest.json").write_text(
+        json.dumps({"sha256": _sha256(out / LIB), "compiler": cc, "paths_not_built": missing}, indent=1)
+    )
+    if verbose or missing:
+        left = f" (the compiler cannot build: {', '.join(missing)})" if missing else ""
+        print(f"specdecode: built the quantized kernel into {out}{left}", file=sys.stderr)
+    return out / LIB
+
+
+def _first_error(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if "error" in ln] or stderr.splitlines() or ["(no message)"]
+    return lines[0].strip()

@@ -1,0 +1,70 @@
+/* specdecode's quantized linear kernel: shared declarations.
+ *
+ * y[m, n] = sum_k W[n, k] * x[m, k] with W in a GGUF block format (Q4_K, Q6_K, Q8_0) repacked
+ * into tiles of SDK_TILE output columns, and x quantized to int8 per row and per block of
+ * SDK_QK inputs (one float scale per block, integer sums per 16 inputs).
+ *
+ * Exactness: every integer sum inside a super-block (Q4_K, Q6_K) or block (Q8_0) is exact, so
+ * any instruction set gives the same integers; the float epilogue is one fixed sequence of
+ * IEEE operations per (row, column, block) in K order (sdk_ref.c spells it out). A row's result
+ * therefore does not depend on the number of rows in the call, its place among them, the
+ * instruction set or the thread count.
+ */
+#ifndef SDK_H
+#define SDK_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define SDK_TILE 16  /* output columns per tile */
+#define SDK_QK 256   /* activation block (one scale) and k-quant super-block */
+#define SDK_ROWS 64  /* rows per chunk (a prefill is tiled over rows by this) */
+
+enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3 };
+enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
+
+/* bytes of one tile's record per block (a super-block of 256 inputs; Q8_0: a block of 32) */
+#define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins, d, dmin (fp16) */
+#define SDK_Q6K_REC (2048 + 1024 + 256 + 32)     /* low nibbles, high 2 bits, scales, d */
+#define SDK_Q8_REC (512 + 32)                    /* q + 128 (bytes), d (fp16) */
+
+/* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
+ * integer sums of 16 codes */
+typedef struct {
+    const int8_t *xq;
+    const float *xa;
+    const int32_t *xs;
+    int kp;
+} sdk_act;
+
+/* one tile (SDK_TILE columns) for rows [m0, m1) (m1 - m0 <= SDK_ROWS): acc [m1 - m0][SDK_TILE]
+ * receives the products (overwritten). rec: the tile's records, nblk of them. scratch: 16 KiB. */
+typedef void (*sdk_tile_fn)(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1,
+                            float *acc, uint8_t *scratch);
+
+void sdk_tile_ref(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
+void sdk_tile_avx2(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
+void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
+void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
+
+extern int sdk_fault; /* tests only: a path adds 1 to lane 3 of one integer sum (negative control) */
+
+static inline float sdk_h2f(uint16_t h) {
+    /* IEEE half -> float, exact (F16C's vcvtph2ps gives the same bits) */
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        if (m == 0) {
+            bits = s;
+        } else { /* subnormal: normalise */
+            e = 113;
+            while (!(m & 0x400)) { m <<= 1; e--; }
+            bits = s | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (e == 31) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else {
+        bits = s | ((e + 112) << 23) | (m << 13);
+    }
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+#endif

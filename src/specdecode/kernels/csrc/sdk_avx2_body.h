@@ -1,0 +1,158 @@
+/* The 256-bit paths (included by sdk_avx2.c and sdk_avxvnni.c, which define SDK_TILE_FN and,
+ * for AVX-VNNI, SDK_VNNI256): a tile's 16 columns are two ymm halves of 8. Without VNNI, 4-input
+ * dot products are vpmaddubsw (pairs into int16) then vpmaddwd by ones (into int32); weight
+ * bytes are at most 63 there (4- and 6-bit values), so no int16 pair saturates (63 x 127 x 2 <
+ * 32767). Q8_0's bytes take the sign trick instead (|q| <= 128 against sign-moved codes). */
+#include <immintrin.h>
+#include <string.h>
+
+#include "sdk.h"
+
+static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+
+#ifdef SDK_VNNI256
+static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
+static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+}
+#endif
+
+static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 0, 0, 0); }
+
+#define LD(p) _mm256_loadu_si256((const __m256i *)(p))
+
+void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
+                 uint8_t *scratch) {
+    const int kp = a->kp, nsb = kp / SDK_QK, n16 = kp / 16, rows = m1 - m0;
+    __m256i *w = (__m256i *)scratch; /* [64 vectors][2 halves] */
+    __m256i *sc = w + 128, *mn = w + 160;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    for (int r = 0; r < rows * 2; r++) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());
+    if (type == SDK_Q4K) {
+        for (int b = 0; b < nblk; b++, rec += SDK_Q4K_REC) {
+            for (int j = 0; j < 8; j++) {
+                for (int i = 0; i < 4; i++)
+                    for (int h = 0; h < 2; h++) {
+                        __m256i v = LD(rec + (j * 4 + i) * 64 + h * 32);
+                        w[(j * 8 + i) * 2 + h] = _mm256_and_si256(v, low4);
+                        w[(j * 8 + i + 4) * 2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    }
+                for (int h = 0; h < 2; h++) {
+                    sc[j * 2 + h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
+                    mn[j * 2 + h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2176 + j * 16 + h * 8)));
+                }
+            }
+            __m256 d[2], dmin[2];
+            for (int h = 0; h < 2; h++) {
+                d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2304 + h * 16)));
+                dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2336 + h * 16)));
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
+                const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
+                __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
+                for (int h = 0; h < 2; h++) {
+                    __m256i isum = _mm256_setzero_si256(), imin = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        __m256i s = _mm256_setzero_si256();
+                        for (int g = 0; g < 8; g++) s = dot4(s, w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4));
+                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, sc[j * 2 + h]));
+                        imin = _mm256_add_epi32(
+                            imin, _mm256_mullo_epi32(mn[j * 2 + h], _mm256_set1_epi32(xs[2 * j] + xs[2 * j + 1])));
+                    }
+                    if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
+                    __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
+                    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);
+                    y = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin[h], av), y);
+                    _mm256_storeu_ps(acc + r * 16 + h * 8, y);
+                }
+            }
+        }
+    } else if (type == SDK_Q6K) {
+        for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
+            for (int j = 0; j < 8; j++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i h0 = LD(rec + 2048 + (j * 2) * 64 + h * 32);
+                    __m256i h1 = LD(rec + 2048 + (j * 2 + 1) * 64 + h * 32);
+                    for (int i = 0; i < 4; i++) {
+                        __m256i v = LD(rec + (j * 4 + i) * 64 + h * 32);
+                        __m256i lo = _mm256_and_si256(v, low4);
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(h0, 2 * i), low2);
+                        __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(h1, 2 * i), low2);
+                        w[(j * 8 + i) * 2 + h] = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                        w[(j * 8 + i + 4) * 2 + h] = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+                    }
+                }
+            for (int s = 0; s < 16; s++)
+                for (int h = 0; h < 2; h++)
+                    sc[s * 2 + h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 3072 + s * 16 + h * 8)));
+            __m256 d[2];
+            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 3328 + h * 16)));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
+                const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
+                __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
+                for (int h = 0; h < 2; h++) {
+                    __m256i isum = _mm256_setzero_si256();
+                    for (int s = 0; s < 16; s++) {
+                        __m256i t = _mm256_setzero_si256();
+                        for (int g = 0; g < 4; g++) t = dot4(t, w[(s * 4 + g) * 2 + h], bcast4(x + s * 16 + g * 4));
+                        t = _mm256_sub_epi32(t, _mm256_set1_epi32(32 * xs[s]));
+                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(t, sc[s * 2 + h]));
+                    }
+                    if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
+                    __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
+                    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);
+                    _mm256_storeu_ps(acc + r * 16 + h * 8, y);
+                }
+            }
+        }
+    } else {
+        const __m256i bias = _mm256_set1_epi8((char)0x80);
+        for (int b = 0; b < nblk; b++, rec += SDK_Q8_REC) {
+            __m256i v[16]; /* VNNI: q + 128 as stored; else |q| here and q at v + 8 .. */
+            __m256i sg[16];
+            for (int g = 0; g < 8; g++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i u = LD(rec + g * 64 + h * 32);
+#ifdef SDK_VNNI256
+                    v[g * 2 + h] = u;
+                    sg[g * 2 + h] = u;
+#else
+                    __m256i q = _mm256_xor_si256(u, bias);
+                    v[g * 2 + h] = _mm256_abs_epi8(q);
+                    sg[g * 2 + h] = q;
+#endif
+                }
+            __m256 d[2];
+            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + h * 16)));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 32;
+                const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 2;
+                __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b / 8]);
+                for (int h = 0; h < 2; h++) {
+                    __m256i s = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) {
+#ifdef SDK_VNNI256
+                        s = dot4(s, v[g * 2 + h], bcast4(x + g * 4));
+#else
+                        s = dot4(s, v[g * 2 + h], _mm256_sign_epi8(bcast4(x + g * 4), sg[g * 2 + h]));
+#endif
+                    }
+#ifdef SDK_VNNI256
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * (xs[0] + xs[1])));
+#else
+                    (void)xs;
+#endif
+                    if (sdk_fault && b == 0 && r == 0 && h == 0) s = _mm256_add_epi32(s, fault_lane());
+                    __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
+                    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[h], av), y);
+                    _mm256_storeu_ps(acc + r * 16 + h * 8, y);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,150 @@
+/* AVX-512 VNNI path: one zmm holds the 16 columns of a tile; vpdpbusd multiplies 4 inputs per
+ * column (unsigned weight values x signed activation codes) into int32 lanes. Rows go in
+ * groups of up to ROWS: a sub-block's weights are decoded once into registers and applied to
+ * every row of the group (the block's bytes come from memory once per call and from L1 for
+ * later groups), with one independent dot-product chain per row. The integer sums are exact,
+ * so neither the grouping nor the split into chains moves a bit. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "sdk.h"
+
+#define ROWS 4
+#define UNROLL(n) _Pragma("GCC unroll 8")
+
+static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+static inline __m512i fault_lane(void) { return _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0); }
+
+static inline __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i s8x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512 h2f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* the epilogue of one row and block: y = fma(isum, d * a, y), then y = fma(-imin, dmin * a, y) */
+static inline void store_row(float *acc, __m512i isum, __m512 d, const __m512i *imin, __m512 dmin, float a) {
+    __m512 av = _mm512_set1_ps(a), y = _mm512_loadu_ps(acc);
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, av), y);
+    if (imin) y = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(*imin), _mm512_mul_ps(dmin, av), y);
+    _mm512_storeu_ps(acc, y);
+}
+
+static inline __attribute__((always_inline)) void q4k_block(const int R, const uint8_t *rec, const sdk_act *a,
+                                                            int m, int b, float *acc) {
+    const int kp = a->kp, n16 = kp / 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int8_t *x[ROWS];
+    __m512i isum[ROWS], imin[ROWS];
+    UNROLL(4) for (int r = 0; r < R; r++) {
+        x[r] = a->xq + (size_t)(m + r) * kp + b * 256;
+        isum[r] = imin[r] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; j++) {
+        __m512i w[8], s[ROWS][2];
+        UNROLL(4) for (int i = 0; i < 4; i++) {
+            __m512i v = _mm512_loadu_si512(rec + (j * 4 + i) * 64);
+            w[i] = _mm512_and_si512(v, low4);
+            w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        UNROLL(4) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        UNROLL(8) for (int g = 0; g < 8; g++)
+            UNROLL(4) for (int r = 0; r < R; r++)
+                s[r][g & 1] = _mm512_dpbusd_epi32(s[r][g & 1], w[g], bcast4(x[r] + j * 32 + g * 4));
+        __m512i sc = u8x16(rec + 2048 + j * 16), mn = u8x16(rec + 2176 + j * 16);
+        UNROLL(4) for (int r = 0; r < R; r++) {
+            const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + 2 * j;
+            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s[r][0], s[r][1]), sc));
+            imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xs[0] + xs[1])));
+        }
+    }
+    __m512 d = h2f16(rec + 2304), dmin = h2f16(rec + 2336);
+    UNROLL(4) for (int r = 0; r < R; r++) {
+        if (sdk_fault && b == 0 && m + r == 0) isum[r] = _mm512_add_epi32(isum[r], fault_lane());
+        store_row(acc + r * 16, isum[r], d, &imin[r], dmin, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q6k_block(const int R, const uint8_t *rec, const sdk_act *a,
+                                                            int m, int b, float *acc) {
+    const int kp = a->kp, n16 = kp / 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    const int8_t *x[ROWS];
+    __m512i isum[ROWS];
+    UNROLL(4) for (int r = 0; r < R; r++) {
+        x[r] = a->xq + (size_t)(m + r) * kp + b * 256;
+        isum[r] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; j++) { /* 32 inputs: two sub-blocks of 16 with their own scales */
+        __m512i w[8];
+        __m512i h0 = _mm512_loadu_si512(rec + 2048 + (j * 2) * 64), h1 = _mm512_loadu_si512(rec + 2048 + (j * 2 + 1) * 64);
+        UNROLL(4) for (int i = 0; i < 4; i++) {
+            __m512i v = _mm512_loadu_si512(rec + (j * 4 + i) * 64);
+            __m512i b0 = _mm512_and_si512(_mm512_srli_epi16(h0, 2 * i), low2);
+            __m512i b1 = _mm512_and_si512(_mm512_srli_epi16(h1, 2 * i), low2);
+            w[i] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi16(b0, 4));
+            w[i + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_slli_epi16(b1, 4));
+        }
+        UNROLL(2) for (int half = 0; half < 2; half++) {
+            __m512i t[ROWS][2];
+            UNROLL(4) for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+            UNROLL(4) for (int g = 0; g < 4; g++)
+                UNROLL(4) for (int r = 0; r < R; r++)
+                    t[r][g & 1] = _mm512_dpbusd_epi32(t[r][g & 1], w[half * 4 + g], bcast4(x[r] + j * 32 + half * 16 + g * 4));
+            __m512i sc = s8x16(rec + 3072 + (j * 2 + half) * 16);
+            UNROLL(4) for (int r = 0; r < R; r++) {
+                const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + j * 2 + half;
+                __m512i u = _mm512_sub_epi32(_mm512_add_epi32(t[r][0], t[r][1]), _mm512_set1_epi32(32 * xs[0]));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(u, sc));
+            }
+        }
+    }
+    __m512 d = h2f16(rec + 3328);
+    UNROLL(4) for (int r = 0; r < R; r++) {
+        if (sdk_fault && b == 0 && m + r == 0) isum[r] = _mm512_add_epi32(isum[r], fault_lane());
+        store_row(acc + r * 16, isum[r], d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_block(const int R, const uint8_t *rec, const sdk_act *a,
+                                                           int m, int b, float *acc) {
+    const int kp = a->kp, n16 = kp / 16;
+    __m512i s[ROWS][2];
+    UNROLL(4) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+    UNROLL(8) for (int g = 0; g < 8; g++) {
+        __m512i v = _mm512_loadu_si512(rec + g * 64);
+        UNROLL(4) for (int r = 0; r < R; r++)
+            s[r][g & 1] = _mm512_dpbusd_epi32(s[r][g & 1], v, bcast4(a->xq + (size_t)(m + r) * kp + b * 32 + g * 4));
+    }
+    __m512 d = h2f16(rec + 512);
+    UNROLL(4) for (int r = 0; r < R; r++) {
+        const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
+        __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
+        if (sdk_fault && b == 0 && m + r == 0) u = _mm512_add_epi32(u, fault_lane());
+        store_row(acc + r * 16, u, d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b / 8]);
+    }
+}
+
+#define GROUPS(fn, stride)                                                                                   \
+    for (int b = 0; b < nblk; b++) {                                                                         \
+        const uint8_t *blk = rec + (size_t)b * (stride);                                                     \
+        int r = 0;                                                                                           \
+        for (; r + ROWS <= rows; r += ROWS) fn(ROWS, blk, a, m0 + r, b, acc + r * 16);                       \
+        switch (rows - r) {                                                                                  \
+        case 3: fn(3, blk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 2: fn(2, blk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 1: fn(1, blk, a, m0 + r, b, acc + r * 16); break;                                               \
+        }                                                                                                    \
+    }
+
+void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
+                         uint8_t *scratch) {
+    (void)scratch;
+    const int rows = m1 - m0;
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + r * 16, _mm512_setzero_ps());
+    if (type == SDK_Q4K) {
+        GROUPS(q4k_block, SDK_Q4K_REC)
+    } else if (type == SDK_Q6K) {
+        GROUPS(q6k_block, SDK_Q6K_REC)
+    } else {
+        GROUPS(q8_block, SDK_Q8_REC)
+    }
+}

@@ -1,0 +1,103 @@
+/* The scalar reference: the one definition of every result (each SIMD path must equal it bit
+ * for bit), and the activation quantizer every path shares. Compiled with no ISA flags and
+ * -ffp-contract=off: each float operation below is the IEEE operation written. */
+#include <math.h>
+#include <string.h>
+
+#include "sdk.h"
+
+int sdk_fault = 0;
+
+static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* 4-bit value of column c, input k (0..255) in a Q4_K (or Q6_K low nibble) record's nibbles */
+static int nib(const uint8_t *qs, int c, int k) {
+    int j = k / 32, g = (k % 32) / 4, kk = k % 4;
+    uint8_t byte = qs[(j * 4 + g % 4) * 64 + c * 4 + kk];
+    return g < 4 ? byte & 15 : byte >> 4;
+}
+
+static int q6(const uint8_t *rec, int c, int k) {
+    int j = k / 32, g = (k % 32) / 4, kk = k % 4;
+    uint8_t h = rec[2048 + (j * 2 + g / 4) * 64 + c * 4 + kk];
+    return nib(rec, c, k) | (((h >> (2 * (g % 4))) & 3) << 4);
+}
+
+void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
+                  uint8_t *scratch) {
+    (void)scratch;
+    const int kp = a->kp, nsb = kp / SDK_QK;
+    for (int r = 0; r < m1 - m0; r++) {
+        const int8_t *x = a->xq + (size_t)(m0 + r) * kp;
+        const float *xa = a->xa + (size_t)(m0 + r) * nsb;
+        const int32_t *xs = a->xs + (size_t)(m0 + r) * (kp / 16);
+        for (int c = 0; c < SDK_TILE; c++) {
+            float y = 0.0f;
+            for (int b = 0; b < nblk; b++) {
+                if (type == SDK_Q4K) {
+                    const uint8_t *p = rec + (size_t)b * SDK_Q4K_REC;
+                    int32_t isum = 0, imin = 0;
+                    for (int j = 0; j < 8; j++) {
+                        int32_t s = 0;
+                        for (int k = j * 32; k < j * 32 + 32; k++) s += nib(p, c, k) * x[b * 256 + k];
+                        isum += p[2048 + j * 16 + c] * s;
+                        imin += p[2176 + j * 16 + c] * (xs[b * 16 + 2 * j] + xs[b * 16 + 2 * j + 1]);
+                    }
+                    float d = sdk_h2f(rd16(p + 2304 + 2 * c)), dmin = sdk_h2f(rd16(p + 2336 + 2 * c));
+                    y = fmaf((float)isum, d * xa[b], y);
+                    y = fmaf(-(float)imin, dmin * xa[b], y);
+                } else if (type == SDK_Q6K) {
+                    const uint8_t *p = rec + (size_t)b * SDK_Q6K_REC;
+                    int32_t isum = 0;
+                    for (int s16 = 0; s16 < 16; s16++) {
+                        int32_t s = 0;
+                        for (int k = s16 * 16; k < s16 * 16 + 16; k++) s += q6(p, c, k) * x[b * 256 + k];
+                        s -= 32 * xs[b * 16 + s16];
+                        isum += (int8_t)p[3072 + s16 * 16 + c] * s;
+                    }
+                    float d = sdk_h2f(rd16(p + 3328 + 2 * c));
+                    y = fmaf((float)isum, d * xa[b], y);
+                } else { /* SDK_Q8_0: nblk blocks of 32 */
+                    const uint8_t *p = rec + (size_t)b * SDK_Q8_REC;
+                    int32_t s = 0;
+                    for (int k = 0; k < 32; k++) {
+                        int q = (int)p[(k / 4) * 64 + c * 4 + k % 4] - 128;
+                        s += q * x[b * 32 + k];
+                    }
+                    float d = sdk_h2f(rd16(p + 512 + 2 * c));
+                    y = fmaf((float)s, d * xa[b / 8], y);
+                }
+            }
+            acc[r * SDK_TILE + c] = y;
+        }
+    }
+}
+
+/* One row's activations: per block of 256 inputs, scale = max|x| / 127 and codes
+ * lrintf(x * (127 / max|x|)) in [-127, 127] (zero past k); integer sums per 16 codes. The
+ * row alone decides its codes. */
+void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs) {
+    for (int b = 0; b < kp / SDK_QK; b++) {
+        int lo = b * SDK_QK, hi = lo + SDK_QK < k ? lo + SDK_QK : k;
+        float amax = 0.0f;
+        for (int i = lo; i < hi; i++) {
+            float v = fabsf(x[i]);
+            amax = v > amax ? v : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xa[b] = amax / 127.0f;
+        for (int i = lo; i < lo + SDK_QK; i++) {
+            int q = 0;
+            if (i < hi) {
+                long r = __builtin_lrintf(x[i] * id);
+                q = r > 127 ? 127 : (r < -127 ? -127 : (int)r);
+            }
+            xq[i] = (int8_t)q;
+        }
+        for (int s = 0; s < SDK_QK / 16; s++) {
+            int32_t t = 0;
+            for (int i = 0; i < 16; i++) t += xq[lo + s * 16 + i];
+            xs[lo / 16 + s] = t;
+        }
+    }
+}

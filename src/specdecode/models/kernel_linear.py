@@ -1,0 +1,86 @@
+"""Projections through specdecode's own kernel (kernels/): GGUF blocks times int8 activations.
+
+`kq` is the weight format: a GGUF's own Q4_K, Q6_K and Q8_0 blocks byte for byte (Q5_0 as Q8_0
+with the same integers), or float weights rounded to Q4_K (Q8_0 where the input width is not a
+multiple of 256). Each row's activations are quantized on their own and every integer sum is
+exact, so a row's output does not depend on how many rows share the call, on the instruction
+set or on the threads: the batch-invariant forward needs no padding (`row_multiple` 1) and
+costs nothing, and a prefill writes the keys and values one-token steps would write.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import SpecDecodeError
+from ..kernels import BlockWeight, PackedWeight, available, linear, quantize_q4_k, quantize_q8_0
+from .linear import Linear
+
+
+def to_blocks(weight: torch.Tensor) -> BlockWeight:
+    """A float [out, in] weight as Q4_K (in a multiple of 256) or Q8_0 blocks, rounded to nearest."""
+    w = weight.detach().float().cpu().numpy()
+    return quantize_q4_k(w) if w.shape[1] % 256 == 0 else quantize_q8_0(w)
+
+
+class KernelLinear(Linear):
+    """One projection whose weight is one block format, through the kernel; the same call as
+    Linear (rows in the caller's dtype, optional residual; invariant by construction)."""
+
+    row_multiple = 1
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None) -> None:
+        if not available():
+            raise SpecDecodeError("the kq format needs specdecode's kernel, which is not built here (no C "
+                                  "compiler?); use --dtype int4 or w8a8")
+        self.out_features, self.in_features = weight.shape
+        self.packed = PackedWeight(weight)
+        self.block_weight = weight  # the file's blocks, for row selections (draft vocabularies)
+        self.bias = None if bias is None else bias.float()
+        self.numel = self.out_features * self.in_features + (0 if bias is None else bias.numel())
+        self.nbytes = self.packed.nbytes + (0 if bias is None else 4 * bias.numel())
+        self.layout, self.dtype, self.bits, self.group = f"kq:{weight.kind}", torch.float32, 4, None
+        self.weight = None
+        self._row_multiple = 1
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, invariant: bool = False
+    ) -> torch.Tensor:
+        out = self._product(x).to(x.dtype)
+        return out if residual is None else out.add_(residual)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.packed)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def float_weight(self) -> torch.Tensor:
+        return torch.from_numpy(self.block_weight.dequantize())
+
+    def weight_matrix(self) -> torch.Tensor:
+        return self.float_weight()
+
+    def rows(self, ids: torch.Tensor) -> KernelLinear:
+        """The projection onto these outputs only (their blocks as they are)."""
+        bias = None if self.bias is None else self.bias[ids]
+        return KernelLinear(self.block_weight.rows(np.asarray(ids.cpu())), bias)
+
+
+def kernel_linear(parts: list, bias: torch.Tensor | None):
+    """One projection stacking `parts` (BlockWeights kept as they are, float tensors rounded to
+    blocks): a KernelLinear when their formats agree, else one per run of a format side by side."""
+    from .quant import ConcatLinear
+
+    blocks = [p if isinstance(p, BlockWeight) else to_blocks(p) for p in parts]
+    runs: list[list[BlockWeight]] = []
+    for b in blocks:
+        if runs and (runs[-1][0].kind, runs[-1][0].raw.shape[1]) == (b.kind, b.raw.shape[1]):
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    made, start = [], 0
+    for run in runs:
+        w = BlockWeight.cat(run)
+        made.append(KernelLinear(w, None if bias is None else bias[start : start + w.shape[0]]))
+        start += w.shape[0]
+    return made[0] if len(made) == 1 else ConcatLinear(made)
