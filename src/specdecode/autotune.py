@@ -19,10 +19,12 @@ than the fastest format (PREFILL_GAIN) gets a second copy in that format for its
 other weights than its steps; the target's never does (a prompt's keys and values must be the
 bits its own steps would write: the prefix cache and chunked prefill rely on it).
 
-The choice (target: the cheapest verification round, k draft steps of the cheapest draft format
-included, per token it yields; target-only: the cheapest step; either plus PROMPT_WEIGHT prompt
-tokens per generated token) is cached as JSON under $SPECDECODE_CACHE/calibration,
-keyed by the model's shapes, the CPU, torch's version and thread count, k and invariance;
+The choice (target: the cheapest verification round per token it yields, plus PROMPT_WEIGHT
+prompt tokens per generated token, whether or not a drafter runs: one target format per machine
+and model, so adding --draft never changes the text; draft: the cheapest step) rests on
+measurements cached as JSON under $SPECDECODE_CACHE/calibration, one file per model (the target's
+apart from the draft's, so target-only and speculative runs read the same one), keyed by the
+model's shapes, the CPU, torch's version and thread count, k and invariance;
 `specdecode models --calibrate` measures again. A format that fails here (no kernel, a kernel
 whose row-invariance probe fails) is left out and said so in the table.
 """
@@ -42,12 +44,12 @@ from .formats import FORMATS
 
 # candidates a measurement weighs (q4_k and q8_0 run the int4 / int8 kernels of the GGUF's own
 # blocks: pin them with --dtype; fp16 has no fast CPU kernel)
-TARGET_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4")
-DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4")
+TARGET_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq")
+DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq")
 CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
 HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
 ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
-VERSION = 3  # bump when the measurement changes: cached choices of another version are redone
+VERSION = 4  # bump when the measurement changes: cached choices of another version are redone
 PREFILL_ROWS = 64  # the rows of a prefill chunk whose projections `tp` times
 PREFILL_GAIN = 1.5  # a draft gets a prefill copy when the fastest prompt format is this much faster
 # prompt tokens a target's choice counts per generated token (a chat turn's prompt and answer are of
@@ -211,6 +213,13 @@ def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen)
             w = torch.randn(out, inp, generator=gen).mul_(0.02).to(getattr(torch, spec.activations))
             made.append(Linear(w))
             continue
+        if spec.quant == "kq":  # random blocks of the format a load gives this width
+            from .models.kernel_linear import KernelLinear, random_blocks
+
+            made.append(
+                KernelLinear(random_blocks(out, inp, int(torch.randint(1 << 30, (1,), generator=gen))))
+            )
+            continue
         bits, group = QUANT_KINDS[spec.quant]
         scales = (torch.rand(out, generator=gen) * 1e-3 + 1e-4).to(torch.bfloat16).float()
         if bits == 8:
@@ -321,42 +330,60 @@ def choose(
     progress=None,
 ) -> Choice:
     """Measure (or read the cached measurement of) every candidate format and pick the target's
-    and the draft's. speculative: rank targets by a verification round (T(k+1) plus k steps of the
-    cheapest draft, over the tokens a round yields at ALPHA), else by a step T(1). The draft's
-    format is the cheapest step (its precision never changes the output, only a little of its
-    acceptance)."""
-    key = _key(target, draft, k, invariant, (target_formats, draft_formats))
-    path = calibration_dir() / f"{name.replace('/', '_')}-{key}.json"
-    if not recalibrate and path.exists():
-        try:
-            choice = Choice.from_dict(json.loads(path.read_text()))
-            choice.how, choice.cache = "cached", str(path)
-            return _pick(choice, speculative)
-        except (ValueError, TypeError, KeyError):
-            pass  # unreadable: measure again
+    and the draft's. Targets rank by a verification round (T(k+1) over the tokens a round yields
+    at ALPHA) whether or not the run is speculative (`speculative` is kept for callers; it no
+    longer changes the choice): the same prompt gives the same text with and without a drafter.
+    The draft's format is the cheapest step (its precision never changes the output, only a
+    little of its acceptance)."""
     t0 = time.perf_counter()
-    jobs = [("target", f) for f in target_formats] + [("draft", f) for f in (draft_formats if draft else ())]
-    target_costs, draft_costs = [], []
-    for i, (who, fmt) in enumerate(jobs):
+    jobs = [("target", target, f) for f in target_formats]
+    jobs += [("draft", draft, f) for f in (draft_formats if draft else ())]
+    done = [0]
+
+    def step(label: str) -> None:
         if progress is not None:
-            progress(i, len(jobs), f"{who} {fmt}")
-        if who == "target":
-            target_costs.append(measure(target, fmt, k, invariant))
-        else:
-            draft_costs.append(measure(draft, fmt, k, invariant, with_tk=False))
+            progress(done[0], len(jobs), label)
+        done[0] += 1
+
+    # the target's costs are cached on their own (keyed by the target alone), so a target-only run
+    # and a speculative one read the same measurement and choose the same target format
+    target_costs, t_how, path = _costs(
+        "target", target, target_formats, k, invariant, name, recalibrate, step
+    )
+    draft_costs, d_how = [], t_how
+    if draft is not None:
+        draft_costs, d_how, _ = _costs("draft", draft, draft_formats, k, invariant, name, recalibrate, step)
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
-    choice = Choice(
-        "", None, k, invariant, "measured", target_costs, draft_costs, str(path), time.perf_counter() - t0
-    )
-    choice = _pick(choice, speculative)
+    how = "cached" if (t_how, d_how) == ("cached", "cached") else "measured"
+    choice = Choice("", None, k, invariant, how, target_costs, draft_costs, path, time.perf_counter() - t0)
+    return _pick(choice, speculative)
+
+
+def _costs(who, shapes, formats, k, invariant, name, recalibrate, step) -> tuple[list, str, str | None]:
+    """(one model's FormatCosts per format, 'cached' or 'measured', the cache file): read from
+    the cache unless asked to measure again, else measured and written there."""
+    key = _key(shapes, None, k, invariant, (who, formats))
+    path = calibration_dir() / f"{name.replace('/', '_')}-{who}-{key}.json"
+    if not recalibrate and path.exists():
+        try:
+            costs = [FormatCosts(**c) for c in json.loads(path.read_text())["costs"]]
+            for _ in formats:
+                step(f"{who} (cached)")
+            return costs, "cached", str(path)
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable: measure again
+    costs = []
+    for fmt in formats:
+        step(f"{who} {fmt}")
+        costs.append(measure(shapes, fmt, k, invariant, with_tk=who == "target"))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(choice.to_dict(), indent=1))
+        path.write_text(json.dumps({"shapes": asdict(shapes), "costs": [asdict(c) for c in costs]}, indent=1))
     except OSError as e:
         print(f"specdecode: cannot cache the format choice in {path}: {e.strerror}", file=sys.stderr)
-        choice.cache = None
-    return choice
+        return costs, "measured", None
+    return costs, "measured", str(path)
 
 
 def _pick(choice: Choice, speculative: bool) -> Choice:
@@ -365,12 +392,11 @@ def _pick(choice: Choice, speculative: bool) -> Choice:
     if not ok_t:
         raise SpecDecodeError("no weight format ran on this machine; pass --dtype fp32")
     best_d = min(ok_d, key=lambda c: c.t1) if ok_d else None
-    if speculative:
-        tau = expected_tokens(ALPHA, choice.k)
-        draft_s = choice.k * best_d.t1 if best_d else 0.0
-        best_t = min(ok_t, key=lambda c: (c.tk + draft_s) / tau + _prompt_share(c))
-    else:
-        best_t = min(ok_t, key=lambda c: c.t1 + _prompt_share(c))
+    # one target format per machine and model, with or without a drafter (so adding a drafter
+    # never changes the text): the cheapest verification round per token it yields, k draft steps
+    # included (the same for every target format), plus its prompt share
+    tau = expected_tokens(ALPHA, choice.k)
+    best_t = min(ok_t, key=lambda c: c.tk / tau + _prompt_share(c))
     choice.target = best_t.format
     choice.draft = best_d.format if best_d else None
     choice.draft_prefill = None

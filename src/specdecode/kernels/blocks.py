@@ -155,18 +155,19 @@ def quantize_q8_0(w: np.ndarray) -> BlockWeight:
 
 
 def quantize_q4_k(w: np.ndarray) -> BlockWeight:
-    """Float [rows, k] -> Q4_K by rounding to nearest (no search, unlike llama-quantize): per 32 a
-    scale (max - min) / 15 and a minimum min(w, 0), each as 6 bits of the super-block's fp16 d and
-    dmin."""
+    """Float [rows, k] -> Q4_K by rounding to nearest (no search, unlike llama-quantize). Per 32
+    inputs a minimum -dmin * m (m rounded up, so it is at most min(w, 0)) and a step d * sc (sc
+    rounded up, so 15 steps reach the maximum): every weight is within half a step of its value."""
     n, k = w.shape
     w = np.pad(w.astype(np.float32), ((0, 0), (0, -k % 256))).reshape(n, -1, 8, 32)
-    lo = np.minimum(w.min(-1), 0)
-    scale = (w.max(-1) - lo) / 15
-    d = (scale.max(-1) / 63).astype(np.float16)
+    lo = np.minimum(w.min(-1), 0)  # [n, nb, 8]
     dmin = ((-lo).max(-1) / 63).astype(np.float16)
-    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
-    sc = np.clip(np.rint(np.where(d32 > 0, scale / np.maximum(d32, 1e-30), 0)), 0, 63).astype(np.uint8)
-    mn = np.clip(np.rint(np.where(dmin32 > 0, -lo / np.maximum(dmin32, 1e-30), 0)), 0, 63).astype(np.uint8)
+    dmin32 = dmin.astype(np.float32)[..., None]
+    mn = np.clip(np.ceil(np.where(dmin32 > 0, -lo / np.maximum(dmin32, 1e-30), 0)), 0, 63).astype(np.uint8)
+    span = w.max(-1) + dmin32 * mn  # what 15 steps must reach above the minimum
+    d = (span.max(-1) / (15 * 63)).astype(np.float16)
+    d32 = d.astype(np.float32)[..., None]
+    sc = np.clip(np.ceil(np.where(d32 > 0, span / np.maximum(15 * d32, 1e-30), 0)), 0, 63).astype(np.uint8)
     step = (d32 * sc)[..., None]
     off = (dmin32 * mn)[..., None]
     q = np.clip(np.rint(np.where(step > 0, (w + off) / np.maximum(step, 1e-30), 0)), 0, 15).astype(np.uint8)

@@ -24,6 +24,19 @@ def to_blocks(weight: torch.Tensor) -> BlockWeight:
     return quantize_q4_k(w) if w.shape[1] % 256 == 0 else quantize_q8_0(w)
 
 
+def random_blocks(out: int, inp: int, seed: int) -> BlockWeight:
+    """Random blocks of the format a load gives an [out, inp] weight (Q4_K when inp is a multiple
+    of 256, else Q8_0), with small finite scales: for timing (autotune) without quantizing."""
+    rng = np.random.default_rng(seed)
+    if inp % 256 == 0:
+        raw = rng.integers(0, 256, (out, inp // 256, 144), dtype=np.uint8)
+        raw[..., 0:4] = np.array([1e-3, 1e-3], np.float16).view(np.uint8)
+        return BlockWeight("q4_k", raw.reshape(out, -1), inp)
+    raw = rng.integers(0, 256, (out, -(-inp // 32), 34), dtype=np.uint8)
+    raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+    return BlockWeight("q8_0", raw.reshape(out, -1), inp)
+
+
 class KernelLinear(Linear):
     """One projection whose weight is one block format, through the kernel; the same call as
     Linear (rows in the caller's dtype, optional residual; invariant by construction)."""
@@ -32,8 +45,10 @@ class KernelLinear(Linear):
 
     def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None) -> None:
         if not available():
-            raise SpecDecodeError("the kq format needs specdecode's kernel, which is not built here (no C "
-                                  "compiler?); use --dtype int4 or w8a8")
+            raise SpecDecodeError(
+                "the kq format needs specdecode's kernel, which is not built here (no C "
+                "compiler?); use --dtype int4 or w8a8"
+            )
         self.out_features, self.in_features = weight.shape
         self.packed = PackedWeight(weight)
         self.block_weight = weight  # the file's blocks, for row selections (draft vocabularies)
@@ -66,11 +81,10 @@ class KernelLinear(Linear):
         return KernelLinear(self.block_weight.rows(np.asarray(ids.cpu())), bias)
 
 
-def kernel_linear(parts: list, bias: torch.Tensor | None):
-    """One projection stacking `parts` (BlockWeights kept as they are, float tensors rounded to
-    blocks): a KernelLinear when their formats agree, else one per run of a format side by side."""
-    from .quant import ConcatLinear
-
+def kernel_linears(parts: list, bias: torch.Tensor | None) -> list[KernelLinear]:
+    """The projection stacking `parts` (BlockWeights kept as they are, float tensors rounded to
+    blocks): one KernelLinear when their formats agree, else one per run of a format, whose
+    outputs sit side by side (quant.ConcatLinear)."""
     blocks = [p if isinstance(p, BlockWeight) else to_blocks(p) for p in parts]
     runs: list[list[BlockWeight]] = []
     for b in blocks:
@@ -83,4 +97,4 @@ def kernel_linear(parts: list, bias: torch.Tensor | None):
         w = BlockWeight.cat(run)
         made.append(KernelLinear(w, None if bias is None else bias[start : start + w.shape[0]]))
         start += w.shape[0]
-    return made[0] if len(made) == 1 else ConcatLinear(made)
+    return made

@@ -510,9 +510,10 @@ def quantized_linear(
     ConcatLinear of one QuantLinear per format run. onednn: a w8a8 projection's oneDNN copy
     (DynamicInt8Linear), for a model that will choose_int8_kernels."""
     if kind == "kq":
-        from .kernel_linear import kernel_linear
+        from .kernel_linear import kernel_linears
 
-        return kernel_linear(parts, bias)
+        made = kernel_linears(parts, bias)
+        return made[0] if len(made) == 1 else ConcatLinear(made)
     if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
         qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]
         return DynamicInt8Linear(QWeight.from_float(torch.cat(qs), "int8"), bias, onednn=onednn)

@@ -1,0 +1,319 @@
+"""specdecode's own quantized kernel (src/specdecode/kernels/): every instruction-set path this
+machine runs gives the scalar reference's bits, which are the integer products of the quantized
+rows; GGUF blocks decode as the gguf library decodes them; a path one off in one lane is caught;
+a row's output never depends on the row count; the build falls back with one line; the C code
+stays inside its buffers under AddressSanitizer; and a tiny model on the kernel is exact."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import check_distribution, draft_pair_two_tokens, noisy_copy, resample_from_p_after_rejection
+from specdecode import SamplingParams, SpeculativeGenerator, kernels, load
+from specdecode.errors import SpecDecodeError
+from specdecode.kernels import BlockWeight, PackedWeight, quantize_q4_k, quantize_q8_0
+from specdecode.kernels.blocks import q5_0_as_q8_0
+from specdecode.models.init import init_model
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel could not be built here")
+
+SIMD = [isa for isa in kernels.ISAS if isa != "ref"]
+ROWS = [*range(1, 17), 64]
+
+
+def random_q6_k(n: int, k: int, rng: np.random.Generator) -> BlockWeight:
+    """Random Q6_K blocks (random 6-bit values and int8 scales, one row of every extreme)."""
+    return kernels._q6_k_of(np.zeros((n, k), np.float32), rng)
+
+
+def weights(rng: np.random.Generator, n: int, k: int) -> list[BlockWeight]:
+    """Each format at [n, k], random over decades, with rows at the extremes."""
+    w = (rng.standard_normal((n, k)) * np.logspace(-2, 1, n)[:, None]).astype(np.float32)
+    w[0] = 1.0
+    if n > 1:
+        w[1, ::2], w[1, 1::2] = 4.0, -4.0
+    return [quantize_q4_k(w), quantize_q8_0(w), random_q6_k(n, k, rng)]
+
+
+def rows(rng: np.random.Generator, m: int, k: int) -> torch.Tensor:
+    x = (rng.standard_normal((m, k)) * np.logspace(-3, 2, m)[:, None]).astype(np.float32)
+    x[0] = 1.0  # every code +127 against the largest weights: no int16 pair may saturate
+    if m > 1:
+        x[1, ::2], x[1, 1::2] = -1.0, 1.0
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("shape", [(40, 520), (24, 96), (16, 1024), (3, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_path_gives_the_scalar_references_bits(isa, shape):
+    """Forced one at a time, every path this CPU runs equals the reference bit for bit at 1-16
+    and 64 rows, on widths that are no whole number of blocks, with 1 and 2 threads."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    rng = np.random.default_rng(0)
+    n, k = shape
+    x = rows(rng, 64, k)
+    for w in weights(rng, n, k):
+        packed = PackedWeight(w)
+        want = kernels.linear(x, packed, isa="ref", threads=1)
+        for m in ROWS:
+            for threads in (1, 2):
+                got = kernels.linear(x[:m], packed, isa=isa, threads=threads)
+                assert torch.equal(got, want[:m]), (w.kind, m, threads)
+
+
+def quantized_rows(x: np.ndarray, kp: int) -> np.ndarray:
+    """The rows as the kernel sees them: per 256 inputs, codes rint(x * (127 / max|x|)) in
+    float32 (round half to even) times the scale max|x| / 127, exactly, in float64."""
+    m, k = x.shape
+    xp = np.zeros((m, kp), np.float32)
+    xp[:, :k] = x
+    out = np.zeros((m, kp))
+    for b in range(kp // 256):
+        blk = xp[:, b * 256 : (b + 1) * 256]
+        amax = np.abs(blk).max(1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-38)), np.float32(0))
+        codes = np.clip(np.rint((blk * inv.astype(np.float32)).astype(np.float32)), -127, 127)
+        out[:, b * 256 : (b + 1) * 256] = codes * (amax / np.float32(127)).astype(np.float32)
+    return out[:, :k]
+
+
+def test_the_reference_is_the_product_of_the_files_weights_and_the_quantized_rows():
+    """The reference (so every path) computes dequantized weights times quantized rows: its only
+    rounding is float32's, over the blocks (relative 1e-5 of the largest output)."""
+    rng = np.random.default_rng(1)
+    x = rows(rng, 9, 520).numpy()
+    for w in weights(rng, 40, 520):
+        got = kernels.linear(torch.from_numpy(x), PackedWeight(w), isa="ref").double().numpy()
+        want = quantized_rows(x, -(-520 // 256) * 256) @ w.dequantize().astype(np.float64).T
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), w.kind
+
+
+def test_blocks_decode_as_the_gguf_library_decodes_them():
+    gguf = pytest.importorskip("gguf")
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((24, 512)).astype(np.float32)
+    for ours, kind in (
+        (quantize_q4_k(w), T.Q4_K),
+        (quantize_q8_0(w), T.Q8_0),
+        (random_q6_k(24, 512, rng), T.Q6_K),
+    ):
+        want = gguf.quants.dequantize(ours.raw, kind).reshape(24, 512)
+        assert np.array_equal(ours.dequantize(), want), kind
+    # rounding to nearest: every weight within half its sub-block's step (and the fp16 scales' rounding)
+    from specdecode.kernels.blocks import _q4_k_fields
+
+    d, _, sc, _, _ = _q4_k_fields(quantize_q4_k(w).raw)
+    half_step = np.repeat(d[..., None] * sc / 2, 32, -1).reshape(24, 512)
+    assert (np.abs(quantize_q4_k(w).dequantize() - w) <= half_step * 1.01 + 1e-6).all()
+    q5 = gguf.quants.quantize(w, T.Q5_0)  # Q5_0 rows become Q8_0 rows with the same integers
+    as_q8 = BlockWeight("q8_0", q5_0_as_q8_0(q5), 512)
+    assert np.array_equal(as_q8.dequantize(), gguf.quants.dequantize(q5, T.Q5_0).reshape(24, 512))
+
+
+@pytest.mark.parametrize("isa", SIMD)
+def test_a_path_one_off_in_one_lane_fails_the_self_check(isa):
+    """Negative control: each path adds 1 to lane 3 of one integer sum; the check refuses it."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    assert kernels.selfcheck(isa)
+    kernels.set_fault(True)
+    try:
+        assert not kernels.selfcheck(isa)
+    finally:
+        kernels.set_fault(False)
+    assert kernels.selfcheck(isa)
+
+
+def test_a_rows_output_is_the_same_whatever_the_row_count_and_its_place():
+    rng = np.random.default_rng(3)
+    x = rows(rng, 13, 768)
+    for w in weights(rng, 70, 768):
+        packed = PackedWeight(w)
+        alone = torch.cat([kernels.linear(x[i : i + 1], packed) for i in range(13)])
+        assert torch.equal(kernels.linear(x, packed), alone)
+        order = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(kernels.linear(x[order], packed), alone[order])
+
+
+def test_isa_can_be_forced_and_a_bad_one_is_a_clear_error(monkeypatch):
+    kernels.chosen_isa.cache_clear()
+    try:
+        monkeypatch.setenv("SPECDECODE_ISA", "avx2" if "avx2" in kernels.runnable_isas() else "ref")
+        assert kernels.chosen_isa() == os.environ["SPECDECODE_ISA"]
+        kernels.chosen_isa.cache_clear()
+        monkeypatch.setenv("SPECDECODE_ISA", "sse9")
+        with pytest.raises(SpecDecodeError, match="choose one of ref, avx2"):
+            kernels.chosen_isa()
+    finally:
+        kernels.chosen_isa.cache_clear()
+
+
+def _python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_without_a_compiler_the_kernel_is_left_out_with_one_line(tmp_path):
+    env = {**os.environ, "SPECDECODE_CACHE": str(tmp_path / "cache"), "PATH": str(tmp_path)}
+    env.pop("CC", None)
+    code = "from specdecode import kernels; print(kernels.available())"
+    r = _python(code, env)
+    assert r.stdout.strip() == "False"
+    assert r.stderr.strip().splitlines() == [
+        "specdecode: the quantized kernel is not available (no C compiler found (set CC or install gcc)); "
+        "using torch's kernels"
+    ]
+
+
+def test_a_corrupt_build_is_rebuilt_with_one_line(tmp_path):
+    env = {**os.environ, "SPECDECODE_CACHE": str(tmp_path / "cache")}
+    code = "from specdecode import kernels; print(kernels.available(), kernels.selfcheck('ref'))"
+    first = _python(code, env)
+    assert first.stdout.strip() == "True True", first.stderr
+    (lib,) = (tmp_path / "cache" / "kernels").glob("*/libspecdecode_kernel.so")
+    lib.write_bytes(b"\x7fELF but not a library")
+    again = _python(code, env)
+    assert again.stdout.strip() == "True True"
+    assert "corrupt; rebuilding it" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
+    """The kernel's sources and a harness (tests/csrc/kernel_asan.c) built with -fsanitize=address:
+    odd shapes, every format and path, buffers of their exact size."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    from specdecode.kernels.build import BASE_FLAGS, CSRC, UNITS
+
+    exe = tmp_path / "asan"
+    objs = []
+    for src, flags in UNITS.items():
+        obj = tmp_path / (src + ".o")
+        cmd = [
+            cc,
+            *BASE_FLAGS,
+            "-O1",
+            "-g",
+            "-fsanitize=address",
+            *flags,
+            "-c",
+            str(CSRC / src),
+            "-o",
+            str(obj),
+        ]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode == 0:
+            objs.append(str(obj))
+        elif src in ("sdk_core.c", "sdk_ref.c"):
+            pytest.fail(r.stderr)
+    harness = Path(__file__).parent / "csrc" / "kernel_asan.c"
+    r = subprocess.run(
+        [cc, "-g", "-fsanitize=address", "-fopenmp", str(harness), *objs, "-o", str(exe), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0 and "asan" in r.stderr.lower():
+        pytest.skip(f"no AddressSanitizer runtime: {r.stderr.splitlines()[0]}")
+    assert r.returncode == 0, r.stderr
+    rng = np.random.default_rng(4)
+    cases = tmp_path / "cases.bin"
+    with open(cases, "wb") as f:
+        for n, k in ((1, 32), (17, 300), (33, 520), (5, 256), (16, 1040)):
+            for w in weights(rng, n, k):
+                packed = PackedWeight(w)
+                for m in (1, 3, 7, 65):
+                    tiles = packed.tiles.numpy()
+                    head = [packed.code, n, packed.blocks, k, m, tiles.nbytes]
+                    f.write(
+                        np.array(head, np.int32).tobytes()
+                        + tiles.tobytes()
+                        + rows(rng, m, k).numpy().tobytes()
+                    )
+    run = subprocess.run(
+        [str(exe), str(cases)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("60 cases")
+
+
+# -- a model on the kernel -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kq_pair(tmp_path_factory):
+    """(target, draft) on the kernel: 256-wide layers (Q4_K) with a 96-wide MLP input (Q8_0)."""
+    root = tmp_path_factory.mktemp("kq")
+    t = init_model(
+        root / "t", vocab=64, layers=2, dim=256, heads=4, kv_heads=2, intermediate=96, seed=7, init_std=0.2
+    )
+    d = noisy_copy(t, root / "d", noise=0.1, seed=8)
+    return load(t, quant="kq"), load(d, quant="kq")
+
+
+def test_a_kq_model_holds_q4_k_and_q8_0_blocks_and_runs_near_its_float_self(kq_pair, tmp_path):
+    target, _ = kq_pair
+    layouts = {lin.layout for _, lin in target.linears()}
+    assert layouts == {"kq:q4_k", "kq:q8_0"}  # down_proj's 96 inputs are no whole super-block
+    f = load(target.path)
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    lq, lf = (m.forward(ids, m.new_cache(1, 8))[0] for m in (target, f))
+    # a quantized copy of the model (random weights lose much in 4 bits: int4's bound, test_quant)
+    assert torch.nn.functional.cosine_similarity(lq.flatten(), lf.flatten(), 0) > 0.85
+
+
+def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kq_pair):
+    target, draft = kq_pair
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    for kw in ({"method": "draft", "k": 3}, {"method": "ngram", "k": 2}):
+        gen = SpeculativeGenerator(target, draft=draft if kw["method"] == "draft" else None, **kw)
+        assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
+
+
+def test_a_prefill_writes_the_keys_and_values_one_token_steps_write(kq_pair):
+    target, _ = kq_pair
+    seq = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    whole, steps = target.new_cache(1, 48, invariant=True), target.new_cache(1, 48, invariant=True)
+    logits = target.forward(seq, whole)[0][0]
+    one = torch.stack([target.forward(seq[:, i : i + 1], steps)[0][0, 0] for i in range(40)])
+    assert torch.equal(logits, one)
+    assert torch.equal(whole.k[..., :40, :], steps.k[..., :40, :])
+    assert torch.equal(whole.v, steps.v)
+
+
+@pytest.fixture(scope="module")
+def kq_v16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kqv16")
+    # test_qwen's vocab-16 pair at 8x the width (init std / sqrt(8): logits as spread)
+    t = init_model(root / "t", vocab=16, layers=2, dim=256, heads=2, intermediate=64, seed=5, init_std=0.18)
+    return load(t, quant="kq"), load(noisy_copy(t, root / "d", noise=0.15, seed=6), quant="kq")
+
+
+@pytest.mark.heavy
+def test_two_token_joint_through_a_kernel_target_and_draft_equals_the_target(kq_v16):
+    pairs, joint, rate = draft_pair_two_tokens(*kq_v16, [5, 7, 2], 20_000)
+    ok, msg = check_distribution(pairs, joint)
+    assert ok, msg
+    assert 0.2 < rate < 0.95, rate
+
+
+@pytest.mark.heavy
+def test_two_token_check_through_the_kernel_catches_resampling_from_p(kq_v16, monkeypatch):
+    resample_from_p_after_rejection(monkeypatch)
+    pairs, joint, _ = draft_pair_two_tokens(*kq_v16, [5, 7, 2], 20_000)
+    ok, msg = check_distribution(pairs, joint)
+    assert not ok, msg
