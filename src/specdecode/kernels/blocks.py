@@ -200,7 +200,9 @@ def _tiles_q4_k(raw):
     d, dmin, sc, mn, q = _q4_k_fields(raw)
     t = raw.shape[0] // TILE
     f16 = lambda x: _per_row(x.astype(np.float16)[..., None], t).view(np.uint8)  # noqa: E731
-    return np.concatenate([_nibble_tiles(q), _per_row(sc, t), _per_row(mn, t), f16(d), f16(dmin)], -1)
+    # minimums as (2p, 2p + 1) pairs per row: [p][row][2], the int16 pairs vpdpwssd reads
+    mins = mn.reshape(t, TILE, -1, 4, 2).transpose(0, 2, 3, 1, 4).reshape(t, -1, 128)
+    return np.concatenate([_nibble_tiles(q), _per_row(sc, t), mins, f16(d), f16(dmin)], -1)
 
 
 def _tiles_q6_k(raw):

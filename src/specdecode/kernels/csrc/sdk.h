@@ -23,16 +23,18 @@ enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
 
 /* bytes of one tile's record per block (a super-block of 256 inputs; Q8_0: a block of 32) */
-#define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins, d, dmin (fp16) */
+#define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins (pairs), d, dmin (fp16) */
 #define SDK_Q6K_REC (2048 + 1024 + 256 + 32)     /* low nibbles, high 2 bits, scales, d */
 #define SDK_Q8_REC (512 + 32)                    /* q + 128 (bytes), d (fp16) */
 
 /* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
- * integer sums of 16 codes */
+ * integer sums of 16 codes, xp [rows][kp / 64] the sums of 32 codes two by two as int16 pairs
+ * (low half: inputs 64p..64p+31, high half: the next 32; |sum| <= 4064), for vpdpwssd */
 typedef struct {
     const int8_t *xq;
     const float *xa;
     const int32_t *xs;
+    const int32_t *xp;
     int kp;
 } sdk_act;
 

@@ -39,11 +39,12 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                         w[(j * 8 + i) * 2 + h] = _mm256_and_si256(v, low4);
                         w[(j * 8 + i + 4) * 2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     }
-                for (int h = 0; h < 2; h++) {
+                for (int h = 0; h < 2; h++)
                     sc[j * 2 + h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
-                    mn[j * 2 + h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2176 + j * 16 + h * 8)));
-                }
             }
+            for (int q = 0; q < 4; q++) /* minimums as (2q, 2q + 1) int16 pairs per column */
+                for (int h = 0; h < 2; h++)
+                    mn[q * 2 + h] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rec + 2176 + q * 32 + h * 16)));
             __m256 d[2], dmin[2];
             for (int h = 0; h < 2; h++) {
                 d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2304 + h * 16)));
@@ -51,7 +52,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             }
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
-                const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
+                const int32_t *xp = a->xp + (size_t)(m0 + r) * (kp / 64) + b * 4;
                 __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
                 for (int h = 0; h < 2; h++) {
                     __m256i isum = _mm256_setzero_si256(), imin = _mm256_setzero_si256();
@@ -59,9 +60,9 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                         __m256i s = _mm256_setzero_si256();
                         for (int g = 0; g < 8; g++) s = dot4(s, w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4));
                         isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, sc[j * 2 + h]));
-                        imin = _mm256_add_epi32(
-                            imin, _mm256_mullo_epi32(mn[j * 2 + h], _mm256_set1_epi32(xs[2 * j] + xs[2 * j + 1])));
                     }
+                    for (int q = 0; q < 4; q++)
+                        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q * 2 + h], _mm256_set1_epi32(xp[q])));
                     if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
                     __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
                     y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);

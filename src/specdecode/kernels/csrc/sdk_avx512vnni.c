@@ -9,10 +9,21 @@
 
 #include "sdk.h"
 
-#define ROWS 4
+#define ROWS 8
 #define UNROLL(n) _Pragma("GCC unroll 8")
 
-static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+/* acc += w (16 x 4 unsigned bytes) . the 4 signed codes at p, broadcast by the instruction itself
+ * (an embedded {1to16} broadcast: one fused load-and-multiply, no separate vpbroadcastd) */
+static inline __m512i dpb(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* acc += the int16 pairs of w times the int16 pair at p (broadcast by the instruction) */
+static inline __m512i dpw(__m512i acc, __m512i w, const int32_t *p) {
+    __asm__("vpdpwssd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*p));
+    return acc;
+}
 
 static inline __m512i fault_lane(void) { return _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0); }
 
@@ -28,13 +39,17 @@ static inline void store_row(float *acc, __m512i isum, __m512 d, const __m512i *
     _mm512_storeu_ps(acc, y);
 }
 
+/* Q4_K: per 32 inputs, two dot-product chains per row of 16 products each (|sum| <= 16 x 15 x
+ * 127 = 30480: an int16), packed as a pair and multiplied by the sub-block's scale with one
+ * vpdpwssd; the minimums' term is 4 vpdpwssd per row and super-block (scale pairs against the
+ * row's sums of 32 codes in pairs, xp). Every sum is the reference's exact integer. */
 static inline __attribute__((always_inline)) void q4k_block(const int R, const uint8_t *rec, const sdk_act *a,
                                                             int m, int b, float *acc) {
-    const int kp = a->kp, n16 = kp / 16;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int kp = a->kp;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), lo16 = _mm512_set1_epi32(0xffff);
     const int8_t *x[ROWS];
     __m512i isum[ROWS], imin[ROWS];
-    UNROLL(4) for (int r = 0; r < R; r++) {
+    UNROLL(8) for (int r = 0; r < R; r++) {
         x[r] = a->xq + (size_t)(m + r) * kp + b * 256;
         isum[r] = imin[r] = _mm512_setzero_si512();
     }
@@ -45,19 +60,24 @@ static inline __attribute__((always_inline)) void q4k_block(const int R, const u
             w[i] = _mm512_and_si512(v, low4);
             w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
-        UNROLL(4) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
         UNROLL(8) for (int g = 0; g < 8; g++)
-            UNROLL(4) for (int r = 0; r < R; r++)
-                s[r][g & 1] = _mm512_dpbusd_epi32(s[r][g & 1], w[g], bcast4(x[r] + j * 32 + g * 4));
-        __m512i sc = u8x16(rec + 2048 + j * 16), mn = u8x16(rec + 2176 + j * 16);
-        UNROLL(4) for (int r = 0; r < R; r++) {
-            const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + 2 * j;
-            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s[r][0], s[r][1]), sc));
-            imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xs[0] + xs[1])));
+            UNROLL(8) for (int r = 0; r < R; r++)
+                s[r][g & 1] = dpb(s[r][g & 1], w[g], x[r] + j * 32 + g * 4);
+        __m512i sc = u8x16(rec + 2048 + j * 16);
+        sc = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16)); /* (sc, sc) int16 pairs */
+        UNROLL(8) for (int r = 0; r < R; r++) {
+            /* the pair (s0 low, s1 high): lo16 ? s0 : s1 << 16, bit by bit (0xCA) */
+            __m512i pair = _mm512_ternarylogic_epi32(lo16, s[r][0], _mm512_slli_epi32(s[r][1], 16), 0xCA);
+            isum[r] = _mm512_dpwssd_epi32(isum[r], pair, sc);
         }
     }
+    UNROLL(4) for (int q = 0; q < 4; q++) {
+        __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 2176 + q * 32)));
+        UNROLL(8) for (int r = 0; r < R; r++) imin[r] = dpw(imin[r], mn, a->xp + (size_t)(m + r) * (kp / 64) + b * 4 + q);
+    }
     __m512 d = h2f16(rec + 2304), dmin = h2f16(rec + 2336);
-    UNROLL(4) for (int r = 0; r < R; r++) {
+    UNROLL(8) for (int r = 0; r < R; r++) {
         if (sdk_fault && b == 0 && m + r == 0) isum[r] = _mm512_add_epi32(isum[r], fault_lane());
         store_row(acc + r * 16, isum[r], d, &imin[r], dmin, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b]);
     }
@@ -69,7 +89,7 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
     const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
     const int8_t *x[ROWS];
     __m512i isum[ROWS];
-    UNROLL(4) for (int r = 0; r < R; r++) {
+    UNROLL(8) for (int r = 0; r < R; r++) {
         x[r] = a->xq + (size_t)(m + r) * kp + b * 256;
         isum[r] = _mm512_setzero_si512();
     }
@@ -85,12 +105,12 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
         }
         UNROLL(2) for (int half = 0; half < 2; half++) {
             __m512i t[ROWS][2];
-            UNROLL(4) for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+            UNROLL(8) for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
             UNROLL(4) for (int g = 0; g < 4; g++)
-                UNROLL(4) for (int r = 0; r < R; r++)
-                    t[r][g & 1] = _mm512_dpbusd_epi32(t[r][g & 1], w[half * 4 + g], bcast4(x[r] + j * 32 + half * 16 + g * 4));
+                UNROLL(8) for (int r = 0; r < R; r++)
+                    t[r][g & 1] = dpb(t[r][g & 1], w[half * 4 + g], x[r] + j * 32 + half * 16 + g * 4);
             __m512i sc = s8x16(rec + 3072 + (j * 2 + half) * 16);
-            UNROLL(4) for (int r = 0; r < R; r++) {
+            UNROLL(8) for (int r = 0; r < R; r++) {
                 const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + j * 2 + half;
                 __m512i u = _mm512_sub_epi32(_mm512_add_epi32(t[r][0], t[r][1]), _mm512_set1_epi32(32 * xs[0]));
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(u, sc));
@@ -98,7 +118,7 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
         }
     }
     __m512 d = h2f16(rec + 3328);
-    UNROLL(4) for (int r = 0; r < R; r++) {
+    UNROLL(8) for (int r = 0; r < R; r++) {
         if (sdk_fault && b == 0 && m + r == 0) isum[r] = _mm512_add_epi32(isum[r], fault_lane());
         store_row(acc + r * 16, isum[r], d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b]);
     }
@@ -108,14 +128,14 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
                                                            int m, int b, float *acc) {
     const int kp = a->kp, n16 = kp / 16;
     __m512i s[ROWS][2];
-    UNROLL(4) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+    UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     UNROLL(8) for (int g = 0; g < 8; g++) {
         __m512i v = _mm512_loadu_si512(rec + g * 64);
-        UNROLL(4) for (int r = 0; r < R; r++)
-            s[r][g & 1] = _mm512_dpbusd_epi32(s[r][g & 1], v, bcast4(a->xq + (size_t)(m + r) * kp + b * 32 + g * 4));
+        UNROLL(8) for (int r = 0; r < R; r++)
+            s[r][g & 1] = dpb(s[r][g & 1], v, a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
     }
     __m512 d = h2f16(rec + 512);
-    UNROLL(4) for (int r = 0; r < R; r++) {
+    UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
         __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
         if (sdk_fault && b == 0 && m + r == 0) u = _mm512_add_epi32(u, fault_lane());
@@ -128,6 +148,7 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
         const uint8_t *blk = rec + (size_t)b * (stride);                                                     \
         int r = 0;                                                                                           \
         for (; r + ROWS <= rows; r += ROWS) fn(ROWS, blk, a, m0 + r, b, acc + r * 16);                       \
+        if (rows - r >= 4) { fn(4, blk, a, m0 + r, b, acc + r * 16); r += 4; }                              \
         switch (rows - r) {                                                                                  \
         case 3: fn(3, blk, a, m0 + r, b, acc + r * 16); break;                                               \
         case 2: fn(2, blk, a, m0 + r, b, acc + r * 16); break;                                               \

@@ -7,9 +7,11 @@
 
 #include "sdk.h"
 
-void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs);
+void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs, int32_t *xp);
 
 /* paths not compiled (the compiler lacked the flags) are null */
+extern void sdk_quantize_row_avx2(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs, int32_t *xp)
+    __attribute__((weak));
 extern void sdk_tile_avx2(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
@@ -75,7 +77,7 @@ int sdk_isa_built(int isa) { return isa >= 0 && isa < SDK_NISA && path(isa) != 0
 
 static __thread int8_t *t_xq;
 static __thread float *t_xa;
-static __thread int32_t *t_xs;
+static __thread int32_t *t_xs, *t_xp;
 static __thread size_t t_rows_cap, t_kp_cap;
 
 /* y [m, n] = x [m, k] W^T, W packed as `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs;
@@ -92,24 +94,35 @@ int sdk_linear(int type, const uint8_t *w, int n, int nblk, int k, const float *
     if ((size_t)m > t_rows_cap || (size_t)kp > t_kp_cap) {
         size_t rows = (size_t)m > t_rows_cap ? (size_t)m : t_rows_cap;
         size_t cols = (size_t)kp > t_kp_cap ? (size_t)kp : t_kp_cap;
-        free(t_xq); free(t_xa); free(t_xs);
+        free(t_xq); free(t_xa); free(t_xs); free(t_xp);
         t_xq = malloc(rows * cols);
         t_xa = malloc(rows * (cols / SDK_QK) * sizeof(float));
         t_xs = malloc(rows * (cols / 16) * sizeof(int32_t));
-        if (!t_xq || !t_xa || !t_xs) {
-            free(t_xq); free(t_xa); free(t_xs);
-            t_xq = 0; t_xa = 0; t_xs = 0; t_rows_cap = t_kp_cap = 0;
+        t_xp = malloc(rows * (cols / 64) * sizeof(int32_t));
+        if (!t_xq || !t_xa || !t_xs || !t_xp) {
+            free(t_xq); free(t_xa); free(t_xs); free(t_xp);
+            t_xq = 0; t_xa = 0; t_xs = 0; t_xp = 0; t_rows_cap = t_kp_cap = 0;
             return -3;
         }
         t_rows_cap = rows; t_kp_cap = cols;
     }
+    /* every SIMD path runs on AVX2 CPUs: their rows are quantized by the AVX2 copy of the
+     * reference's quantizer (the same bits; the self-check compares the paths with the reference) */
+    void (*quantize)(const float *, int, int, int8_t *, float *, int32_t *, int32_t *) =
+        isa != SDK_ISA_REF && sdk_quantize_row_avx2 ? sdk_quantize_row_avx2 : sdk_quantize_row;
+    if (nthreads < 1) nthreads = 1;
+    int qthreads = m >= 16 ? nthreads : 1;
+    /* this thread's buffers (the workers have thread-local pointers of their own) */
+    int8_t *xq = t_xq;
+    float *xa = t_xa;
+    int32_t *xs = t_xs, *xp = t_xp;
+#pragma omp parallel for num_threads(qthreads) schedule(static)
     for (int r = 0; r < m; r++)
-        sdk_quantize_row(x + (size_t)r * k, k, kp, t_xq + (size_t)r * kp, t_xa + (size_t)r * (kp / SDK_QK),
-                         t_xs + (size_t)r * (kp / 16));
-    sdk_act act = {t_xq, t_xa, t_xs, kp};
+        quantize(x + (size_t)r * k, k, kp, xq + (size_t)r * kp, xa + (size_t)r * (kp / SDK_QK),
+                 xs + (size_t)r * (kp / 16), xp + (size_t)r * (kp / 64));
+    sdk_act act = {xq, xa, xs, xp, kp};
     sdk_tile_fn fn = path(isa);
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
-    if (nthreads < 1) nthreads = 1;
     if (nthreads > tiles) nthreads = tiles;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {

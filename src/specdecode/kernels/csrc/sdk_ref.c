@@ -41,7 +41,7 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                         int32_t s = 0;
                         for (int k = j * 32; k < j * 32 + 32; k++) s += nib(p, c, k) * x[b * 256 + k];
                         isum += p[2048 + j * 16 + c] * s;
-                        imin += p[2176 + j * 16 + c] * (xs[b * 16 + 2 * j] + xs[b * 16 + 2 * j + 1]);
+                        imin += p[2176 + (j / 2) * 32 + c * 2 + j % 2] * (xs[b * 16 + 2 * j] + xs[b * 16 + 2 * j + 1]);
                     }
                     float d = sdk_h2f(rd16(p + 2304 + 2 * c)), dmin = sdk_h2f(rd16(p + 2336 + 2 * c));
                     y = fmaf((float)isum, d * xa[b], y);
@@ -75,8 +75,8 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
 
 /* One row's activations: per block of 256 inputs, scale = max|x| / 127 and codes
  * lrintf(x * (127 / max|x|)) in [-127, 127] (zero past k); integer sums per 16 codes. The
- * row alone decides its codes. */
-void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs) {
+ * row alone decides its codes. Also the sums of 32 codes as int16 pairs (xp, see sdk.h). */
+void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs, int32_t *xp) {
     for (int b = 0; b < kp / SDK_QK; b++) {
         int lo = b * SDK_QK, hi = lo + SDK_QK < k ? lo + SDK_QK : k;
         float amax = 0.0f;
@@ -98,6 +98,11 @@ void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int3
             int32_t t = 0;
             for (int i = 0; i < 16; i++) t += xq[lo + s * 16 + i];
             xs[lo / 16 + s] = t;
+        }
+        for (int q = 0; q < SDK_QK / 64; q++) {
+            const int32_t *s16 = xs + lo / 16 + q * 4;
+            uint32_t a0 = (uint16_t)(int16_t)(s16[0] + s16[1]), a1 = (uint16_t)(int16_t)(s16[2] + s16[3]);
+            xp[lo / 64 + q] = (int32_t)(a0 | (a1 << 16));
         }
     }
 }
