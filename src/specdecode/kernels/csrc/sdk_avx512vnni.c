@@ -9,7 +9,7 @@
 
 #include "sdk.h"
 
-#define ROWS 8
+#define ROWS 6 /* the largest row group (registers: 8 weight vectors, 2 chains and a sum a row) */
 #define UNROLL(n) _Pragma("GCC unroll 8")
 
 /* acc += w (16 x 4 unsigned bytes) . the 4 signed codes at p, broadcast by the instruction itself
@@ -143,13 +143,17 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     }
 }
 
+/* rows in groups: of 4 while more than 6 are left, then the rest as one group (a verification
+ * of 5 or 6 rows decodes each block once) */
 #define GROUPS(fn, stride)                                                                                   \
     for (int b = 0; b < nblk; b++) {                                                                         \
-        const uint8_t *blk = rec + (size_t)b * (stride);                                                     \
+        const uint8_t *blk = rec + (size_t)(b) * (stride);                                                   \
         int r = 0;                                                                                           \
-        for (; r + ROWS <= rows; r += ROWS) fn(ROWS, blk, a, m0 + r, b, acc + r * 16);                       \
-        if (rows - r >= 4) { fn(4, blk, a, m0 + r, b, acc + r * 16); r += 4; }                              \
+        for (; rows - r > 6; r += 4) fn(4, blk, a, m0 + r, b, acc + r * 16);                                 \
         switch (rows - r) {                                                                                  \
+        case 6: fn(6, blk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 5: fn(5, blk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 4: fn(4, blk, a, m0 + r, b, acc + r * 16); break;                                               \
         case 3: fn(3, blk, a, m0 + r, b, acc + r * 16); break;                                               \
         case 2: fn(2, blk, a, m0 + r, b, acc + r * 16); break;                                               \
         case 1: fn(1, blk, a, m0 + r, b, acc + r * 16); break;                                               \
