@@ -77,7 +77,8 @@ class BlockWeight:
         return w.reshape(n, -1)[:, : self.in_features].astype(np.float32)
 
     def tiles(self) -> np.ndarray:
-        """The kernel's layout: uint8 [ceil(rows / 16), blocks, record bytes]."""
+        """The kernel's layout: uint8 [ceil(rows / 16), blocks, record bytes] (Q6_K and Q8_0: a
+        tile's integers for every block first, then its scales; sdk.h)."""
         pad = -self.raw.shape[0] % TILE
         raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
         return {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0}[self.kind](raw)
@@ -210,10 +211,19 @@ def _tiles_q6_k(raw):
     t, nb = raw.shape[0] // TILE, q.shape[1]
     hi = (q >> 4).reshape(t, TILE, nb, 8, 2, 4, 4)  # tile, row, block, chunk, half, i, kk
     hb = sum(hi[..., i, :] << (2 * i) for i in range(4)).astype(np.uint8)  # [t, 16, nb, 8, 2, 4]
-    hb = hb.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 1024)
+    hb = hb.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 8, 128)
+    lo = _nibble_tiles(q & 15).reshape(t, nb, 8, 256)  # per 32 inputs: 256 bytes of nibbles, 128 of pairs
     scales = _per_row(sc.astype(np.int8).view(np.uint8), t)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
-    return np.concatenate([_nibble_tiles(q & 15), hb, scales, f16], -1)
+    ints = np.concatenate([lo, hb], -1).reshape(t, nb, 3072)
+    return _ints_then_scales(ints, np.concatenate([scales, f16], -1))
+
+
+def _ints_then_scales(ints: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """[T, nb, a] and [T, nb, b] -> [T, nb, a + b] laid out as every block's integers, then every
+    block's scales (so each block's integers start on a cache line)."""
+    t, nb = ints.shape[:2]
+    return np.concatenate([ints.reshape(t, -1), scales.reshape(t, -1)], 1).reshape(t, nb, -1)
 
 
 def _tiles_q8_0(raw):
@@ -222,7 +232,7 @@ def _tiles_q8_0(raw):
     u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(t, TILE, nb, 8, 4)
     u = u.transpose(0, 2, 3, 1, 4).reshape(t, nb, 512)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
-    return np.concatenate([u, f16], -1)
+    return _ints_then_scales(u, f16)
 
 
 def check_kind(kind: str) -> str:

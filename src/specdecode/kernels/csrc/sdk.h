@@ -22,10 +22,17 @@
 enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
 
-/* bytes of one tile's record per block (a super-block of 256 inputs; Q8_0: a block of 32) */
+/* bytes of one tile per block (a super-block of 256 inputs; Q8_0: a block of 32). Q4_K's
+ * record (37 cache lines) holds everything; Q6_K and Q8_0 keep a tile's integers first, every
+ * block's at a whole number of cache lines (no 64-byte load straddles two), then its scales:
+ * block b's integers at b * SDK_Q6K_INTS (SDK_Q8_INTS), its scales at nblk * INTS + b * SCALES */
 #define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins (pairs), d, dmin (fp16) */
-#define SDK_Q6K_REC (2048 + 1024 + 256 + 32)     /* low nibbles, high 2 bits, scales, d */
-#define SDK_Q8_REC (512 + 32)                    /* q + 128 (bytes), d (fp16) */
+#define SDK_Q6K_INTS (2048 + 1024)               /* low nibbles, high 2 bits */
+#define SDK_Q6K_SCALES (256 + 32)                /* int8 scales, d (fp16) */
+#define SDK_Q6K_REC (SDK_Q6K_INTS + SDK_Q6K_SCALES)
+#define SDK_Q8_INTS 512  /* q + 128 (bytes) */
+#define SDK_Q8_SCALES 32 /* d (fp16) */
+#define SDK_Q8_REC (SDK_Q8_INTS + SDK_Q8_SCALES)
 
 /* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
  * integer sums of 16 codes, xp [rows][kp / 64] the sums of 32 codes two by two as int16 pairs

@@ -72,13 +72,16 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             }
         }
     } else if (type == SDK_Q6K) {
-        for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
+        const uint8_t *tile = rec;
+        for (int b = 0; b < nblk; b++, rec += SDK_Q6K_INTS) {
+            const uint8_t *scales = tile + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
             for (int j = 0; j < 8; j++)
                 for (int h = 0; h < 2; h++) {
-                    __m256i h0 = LD(rec + 2048 + (j * 2) * 64 + h * 32);
-                    __m256i h1 = LD(rec + 2048 + (j * 2 + 1) * 64 + h * 32);
+                    const uint8_t *chunk = rec + j * 384;
+                    __m256i h0 = LD(chunk + 256 + h * 32);
+                    __m256i h1 = LD(chunk + 320 + h * 32);
                     for (int i = 0; i < 4; i++) {
-                        __m256i v = LD(rec + (j * 4 + i) * 64 + h * 32);
+                        __m256i v = LD(chunk + i * 64 + h * 32);
                         __m256i lo = _mm256_and_si256(v, low4);
                         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                         __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(h0, 2 * i), low2);
@@ -89,9 +92,9 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 }
             for (int s = 0; s < 16; s++)
                 for (int h = 0; h < 2; h++)
-                    sc[s * 2 + h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 3072 + s * 16 + h * 8)));
+                    sc[s * 2 + h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + s * 16 + h * 8)));
             __m256 d[2];
-            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 3328 + h * 16)));
+            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 256 + h * 16)));
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
                 const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
@@ -113,7 +116,9 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
         }
     } else {
         const __m256i bias = _mm256_set1_epi8((char)0x80);
-        for (int b = 0; b < nblk; b++, rec += SDK_Q8_REC) {
+        const uint8_t *tile = rec;
+        for (int b = 0; b < nblk; b++, rec += SDK_Q8_INTS) {
+            const uint8_t *scales = tile + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
             __m256i v[16]; /* VNNI: q + 128 as stored; else |q| here and q at v + 8 .. */
             __m256i sg[16];
             for (int g = 0; g < 8; g++)
@@ -129,7 +134,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
 #endif
                 }
             __m256 d[2];
-            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + h * 16)));
+            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 32;
                 const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 2;

@@ -43,8 +43,10 @@ static inline void store_row(float *acc, __m512i isum, __m512 d, const __m512i *
  * 127 = 30480: an int16), packed as a pair and multiplied by the sub-block's scale with one
  * vpdpwssd; the minimums' term is 4 vpdpwssd per row and super-block (scale pairs against the
  * row's sums of 32 codes in pairs, xp). Every sum is the reference's exact integer. */
-static inline __attribute__((always_inline)) void q4k_block(const int R, const uint8_t *rec, const sdk_act *a,
-                                                            int m, int b, float *acc) {
+static inline __attribute__((always_inline)) void q4k_block(const int R, const uint8_t *tile, int nblk,
+                                                            const sdk_act *a, int m, int b, float *acc) {
+    const uint8_t *rec = tile + (size_t)b * SDK_Q4K_REC;
+    (void)nblk;
     const int kp = a->kp;
     const __m512i low4 = _mm512_set1_epi8(0x0f), lo16 = _mm512_set1_epi32(0xffff);
     const int8_t *x[ROWS];
@@ -83,8 +85,10 @@ static inline __attribute__((always_inline)) void q4k_block(const int R, const u
     }
 }
 
-static inline __attribute__((always_inline)) void q6k_block(const int R, const uint8_t *rec, const sdk_act *a,
-                                                            int m, int b, float *acc) {
+static inline __attribute__((always_inline)) void q6k_block(const int R, const uint8_t *tile, int nblk,
+                                                            const sdk_act *a, int m, int b, float *acc) {
+    const uint8_t *rec = tile + (size_t)b * SDK_Q6K_INTS;
+    const uint8_t *scales = tile + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
     const int kp = a->kp, n16 = kp / 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
     const int8_t *x[ROWS];
@@ -95,9 +99,10 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
     }
     for (int j = 0; j < 8; j++) { /* 32 inputs: two sub-blocks of 16 with their own scales */
         __m512i w[8];
-        __m512i h0 = _mm512_loadu_si512(rec + 2048 + (j * 2) * 64), h1 = _mm512_loadu_si512(rec + 2048 + (j * 2 + 1) * 64);
+        const uint8_t *chunk = rec + j * 384; /* 4 vectors of low nibbles, 2 of high bit pairs */
+        __m512i h0 = _mm512_loadu_si512(chunk + 256), h1 = _mm512_loadu_si512(chunk + 320);
         UNROLL(4) for (int i = 0; i < 4; i++) {
-            __m512i v = _mm512_loadu_si512(rec + (j * 4 + i) * 64);
+            __m512i v = _mm512_loadu_si512(chunk + i * 64);
             __m512i b0 = _mm512_and_si512(_mm512_srli_epi16(h0, 2 * i), low2);
             __m512i b1 = _mm512_and_si512(_mm512_srli_epi16(h1, 2 * i), low2);
             w[i] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi16(b0, 4));
@@ -109,7 +114,7 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
             UNROLL(4) for (int g = 0; g < 4; g++)
                 UNROLL(8) for (int r = 0; r < R; r++)
                     t[r][g & 1] = dpb(t[r][g & 1], w[half * 4 + g], x[r] + j * 32 + half * 16 + g * 4);
-            __m512i sc = s8x16(rec + 3072 + (j * 2 + half) * 16);
+            __m512i sc = s8x16(scales + (j * 2 + half) * 16);
             UNROLL(8) for (int r = 0; r < R; r++) {
                 const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + j * 2 + half;
                 __m512i u = _mm512_sub_epi32(_mm512_add_epi32(t[r][0], t[r][1]), _mm512_set1_epi32(32 * xs[0]));
@@ -117,15 +122,16 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
             }
         }
     }
-    __m512 d = h2f16(rec + 3328);
+    __m512 d = h2f16(scales + 256);
     UNROLL(8) for (int r = 0; r < R; r++) {
         if (sdk_fault && b == 0 && m + r == 0) isum[r] = _mm512_add_epi32(isum[r], fault_lane());
         store_row(acc + r * 16, isum[r], d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b]);
     }
 }
 
-static inline __attribute__((always_inline)) void q8_block(const int R, const uint8_t *rec, const sdk_act *a,
-                                                           int m, int b, float *acc) {
+static inline __attribute__((always_inline)) void q8_block(const int R, const uint8_t *tile, int nblk,
+                                                           const sdk_act *a, int m, int b, float *acc) {
+    const uint8_t *rec = tile + (size_t)b * SDK_Q8_INTS;
     const int kp = a->kp, n16 = kp / 16;
     __m512i s[ROWS][2];
     UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
@@ -134,7 +140,7 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
         UNROLL(8) for (int r = 0; r < R; r++)
             s[r][g & 1] = dpb(s[r][g & 1], v, a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
     }
-    __m512 d = h2f16(rec + 512);
+    __m512 d = h2f16(tile + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES);
     UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
         __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
@@ -143,20 +149,35 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     }
 }
 
+/* blocks ahead whose bytes are asked for before they are needed (the hardware's prefetchers
+ * alone left a one-row Q6_K product at half the read speed of a Q4_K one) */
+int sdk_prefetch = 2;
+#define PREFETCH sdk_prefetch
+
+static inline void prefetch_block(const uint8_t *tile, int nblk, int b, int ints, int scales) {
+    if (b >= nblk || sdk_prefetch == 0) return;
+    const char *p = (const char *)tile + (size_t)b * ints;
+    for (int i = 0; i < ints; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    if (scales) {
+        const char *q = (const char *)tile + (size_t)nblk * ints + (size_t)b * scales;
+        for (int i = 0; i < scales; i += 64) _mm_prefetch(q + i, _MM_HINT_T0);
+    }
+}
+
 /* rows in groups: of 4 while more than 6 are left, then the rest as one group (a verification
  * of 5 or 6 rows decodes each block once) */
-#define GROUPS(fn, stride)                                                                                   \
+#define GROUPS(fn, ints, scales)                                                                     \
     for (int b = 0; b < nblk; b++) {                                                                         \
-        const uint8_t *blk = rec + (size_t)(b) * (stride);                                                   \
+        prefetch_block(rec, nblk, b + PREFETCH, ints, scales);                                               \
         int r = 0;                                                                                           \
-        for (; rows - r > 6; r += 4) fn(4, blk, a, m0 + r, b, acc + r * 16);                                 \
+        for (; rows - r > 6; r += 4) fn(4, rec, nblk, a, m0 + r, b, acc + r * 16);                                 \
         switch (rows - r) {                                                                                  \
-        case 6: fn(6, blk, a, m0 + r, b, acc + r * 16); break;                                               \
-        case 5: fn(5, blk, a, m0 + r, b, acc + r * 16); break;                                               \
-        case 4: fn(4, blk, a, m0 + r, b, acc + r * 16); break;                                               \
-        case 3: fn(3, blk, a, m0 + r, b, acc + r * 16); break;                                               \
-        case 2: fn(2, blk, a, m0 + r, b, acc + r * 16); break;                                               \
-        case 1: fn(1, blk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 6: fn(6, rec, nblk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 5: fn(5, rec, nblk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 4: fn(4, rec, nblk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 3: fn(3, rec, nblk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 2: fn(2, rec, nblk, a, m0 + r, b, acc + r * 16); break;                                               \
+        case 1: fn(1, rec, nblk, a, m0 + r, b, acc + r * 16); break;                                               \
         }                                                                                                    \
     }
 
@@ -166,10 +187,10 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
     const int rows = m1 - m0;
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + r * 16, _mm512_setzero_ps());
     if (type == SDK_Q4K) {
-        GROUPS(q4k_block, SDK_Q4K_REC)
+        GROUPS(q4k_block, SDK_Q4K_REC, 0)
     } else if (type == SDK_Q6K) {
-        GROUPS(q6k_block, SDK_Q6K_REC)
+        GROUPS(q6k_block, SDK_Q6K_INTS, SDK_Q6K_SCALES)
     } else {
-        GROUPS(q8_block, SDK_Q8_REC)
+        GROUPS(q8_block, SDK_Q8_INTS, SDK_Q8_SCALES)
     }
 }

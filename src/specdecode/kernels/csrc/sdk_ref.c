@@ -17,10 +17,13 @@ static int nib(const uint8_t *qs, int c, int k) {
     return g < 4 ? byte & 15 : byte >> 4;
 }
 
+/* Q6_K's integers, 384 bytes per 32 inputs: 4 vectors of low nibbles (as Q4_K's), then 2 of
+ * high bit pairs (one read stream per block) */
 static int q6(const uint8_t *rec, int c, int k) {
     int j = k / 32, g = (k % 32) / 4, kk = k % 4;
-    uint8_t h = rec[2048 + (j * 2 + g / 4) * 64 + c * 4 + kk];
-    return nib(rec, c, k) | (((h >> (2 * (g % 4))) & 3) << 4);
+    const uint8_t *chunk = rec + j * 384;
+    uint8_t lo = chunk[(g % 4) * 64 + c * 4 + kk], h = chunk[256 + (g / 4) * 64 + c * 4 + kk];
+    return (g < 4 ? lo & 15 : lo >> 4) | (((h >> (2 * (g % 4))) & 3) << 4);
 }
 
 void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
@@ -47,24 +50,26 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                     y = fmaf((float)isum, d * xa[b], y);
                     y = fmaf(-(float)imin, dmin * xa[b], y);
                 } else if (type == SDK_Q6K) {
-                    const uint8_t *p = rec + (size_t)b * SDK_Q6K_REC;
+                    const uint8_t *p = rec + (size_t)b * SDK_Q6K_INTS;
+                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
                     int32_t isum = 0;
                     for (int s16 = 0; s16 < 16; s16++) {
                         int32_t s = 0;
                         for (int k = s16 * 16; k < s16 * 16 + 16; k++) s += q6(p, c, k) * x[b * 256 + k];
                         s -= 32 * xs[b * 16 + s16];
-                        isum += (int8_t)p[3072 + s16 * 16 + c] * s;
+                        isum += (int8_t)ps[s16 * 16 + c] * s;
                     }
-                    float d = sdk_h2f(rd16(p + 3328 + 2 * c));
+                    float d = sdk_h2f(rd16(ps + 256 + 2 * c));
                     y = fmaf((float)isum, d * xa[b], y);
                 } else { /* SDK_Q8_0: nblk blocks of 32 */
-                    const uint8_t *p = rec + (size_t)b * SDK_Q8_REC;
+                    const uint8_t *p = rec + (size_t)b * SDK_Q8_INTS;
+                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
                     int32_t s = 0;
                     for (int k = 0; k < 32; k++) {
                         int q = (int)p[(k / 4) * 64 + c * 4 + k % 4] - 128;
                         s += q * x[b * 32 + k];
                     }
-                    float d = sdk_h2f(rd16(p + 512 + 2 * c));
+                    float d = sdk_h2f(rd16(ps + 2 * c));
                     y = fmaf((float)s, d * xa[b / 8], y);
                 }
             }
