@@ -127,10 +127,10 @@ def main() -> int:
     for f in formats:
         ms = result["ms"][f]
         gbps = models[f][2] / (ms[1] / 1e3) / 1e9 if 1 in ms else float("nan")
-        ratio = lambda n: f"{ms[n] / ms[1]:.2f}" if n in ms and 1 in ms else "-"  # noqa: E731
+        r5, r8 = (f"{ms[n] / ms[1]:.2f}" if n in ms and 1 in ms else "-" for n in (5, 8))
         lines.append(
             f"| {f} | " + " | ".join(f"{ms[r]:.1f}" for r in rows)
-            + f" | {ratio(5)} | {ratio(8)} | {gbps:.1f} ({gbps / probe:.0%} of the probe) |"
+            + f" | {r5} | {r8} | {gbps:.1f} ({gbps / probe:.0%} of the probe) |"
         )
     if llama:
         cells = " | ".join(f"{llama.get(f'pp{r}', float('nan')):.1f}" for r in rows)
