@@ -220,3 +220,15 @@ def test_num_return_sequences_with_a_seed_gives_independent_samples(dirs, capsys
     code, out, _ = run_cli([*argv, "--num-return-sequences", "4", "--max-new-tokens", "12", "--json"], capsys)
     samples = [s["token_ids"] for s in json.loads(out)["samples"]]
     assert code == 0 and len({tuple(s) for s in samples}) > 1
+
+
+def test_max_tokens_and_max_new_tokens_are_one_flag_in_every_subcommand():
+    """generate shows --max-new-tokens and chat --max-tokens (the server's name); each takes the other."""
+    from specdecode.cli import build_parser
+
+    parser = build_parser()
+    for cmd in ("generate", "chat"):
+        for flag in ("--max-new-tokens", "--max-tokens"):
+            args = parser.parse_args([cmd, "--target", "t", "--prompt", "p", flag, "7"] if cmd == "generate"
+                                     else [cmd, "--target", "t", flag, "7"])
+            assert args.max_new_tokens == 7, (cmd, flag)

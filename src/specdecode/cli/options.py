@@ -186,17 +186,21 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
     SamplingOption("ignore_eos", "keep going after the end-of-text token", action="store_true"),
 )
 SAMPLING_BY_FIELD = {o.field: o for o in SAMPLING_OPTIONS}
+# spellings a flag also answers to, whichever a command shows first: the server's and chat's
+# max_tokens is generate's max_new_tokens, and both are accepted everywhere
+FLAG_ALIASES = {"max_new_tokens": ("--max-new-tokens", "--max-tokens")}
 
 
 def add_sampling_flags(
     parser, names: tuple[str, ...], flags: dict[str, str] | None = None, **defaults: Any
 ) -> None:
     """Add these SamplingParams fields as flags; `flags` renames one (chat: max_new_tokens is
-    --max-tokens, as in the server's requests), `defaults` overrides SamplingParams' default for
-    this command."""
+    --max-tokens, as in the server's requests; the other spelling in FLAG_ALIASES is accepted
+    too), `defaults` overrides SamplingParams' default for this command."""
     for name in names:
         o = SAMPLING_BY_FIELD[name]
         flag = (flags or {}).get(name) or "--" + name.replace("_", "-")
+        spellings = [flag, *(a for a in FLAG_ALIASES.get(name, ()) if a != flag)]
         default = defaults.get(name, [] if o.action == "append" else o.default)
         kw: dict[str, Any] = {"dest": name, "default": default, "help": o.help}
         if o.action:
@@ -205,7 +209,7 @@ def add_sampling_flags(
                 kw["metavar"] = "TEXT"
         else:
             kw["type"] = o.type
-        parser.add_argument(flag, **kw)
+        parser.add_argument(*spellings, **kw)
 
 
 def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
