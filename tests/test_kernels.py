@@ -317,3 +317,48 @@ def test_two_token_check_through_the_kernel_catches_resampling_from_p(kq_v16, mo
     pairs, joint, _ = draft_pair_two_tokens(*kq_v16, [5, 7, 2], 20_000)
     ok, msg = check_distribution(pairs, joint)
     assert not ok, msg
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A random Qwen2 GGUF with the real pair's tensor types (Q4_K, Q6_K, Q5_0, Q8_0)."""
+    from helpers import write_tiny_qwen_gguf
+
+    return write_tiny_qwen_gguf(tmp_path_factory.mktemp("kq-gguf"))[1]
+
+
+def test_a_gguf_path_runs_on_its_own_blocks_and_speculation_keeps_its_tokens(
+    tiny_gguf, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    target = load(str(tiny_gguf), quant="kq")
+    kinds = {lin.layout for _, lin in target.linears()}
+    assert kinds == {"kq:q4_k", "kq:q6_k", "kq:q4_k+kq:q6_k", "kq:q8_0"}  # the head: Q8_0 as stored
+    from specdecode.models.gguf_quant import GGUFQWeights
+
+    blocks = GGUFQWeights(tiny_gguf, "kq")
+    name = next(n for n in blocks if blocks.type_of(n) == "Q6_K" and "down_proj" in n)
+    assert np.array_equal(
+        blocks[name].raw, np.asarray(blocks.tensors[name].data).reshape(blocks[name].raw.shape)
+    )
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 70, 3], [200, 9, 41, 17]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    got = SpeculativeGenerator(target, method="ngram", k=3).generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+    assert (tmp_path / "cache" / "gguf-files").is_dir()  # converted once, under the file's hash
+
+
+def test_generate_takes_a_gguf_path_and_measures_its_format_by_default(
+    tiny_gguf, tmp_path, monkeypatch, capsys
+):
+    from specdecode.cli import main
+    from specdecode.opener import default_dtype
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    assert default_dtype(str(tiny_gguf)) == "auto"
+    args = ["generate", "--target", str(tiny_gguf), "--prompt", "he", "--max-tokens", "4", "--ignore-eos"]
+    assert main([*args, "--dtype", "kq", "--json"]) == 0
+    assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 4
+    assert main(["generate", "--target", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2
+    assert "no such GGUF file" in capsys.readouterr().err

@@ -37,10 +37,13 @@ DEFAULT_FORMATS = {"smollm2-135m": "bf16"}
 
 
 def default_dtype(target: str) -> str:
-    """The target's format when none is given: auto (measured) for the Qwen2.5-Coder pair; bf16
-    for smollm2-135m; fp32 for the bundled tiny models and local directories (pass dtype='auto'
-    to measure any of them)."""
-    return AUTO if str(target) in AUTO_BY_DEFAULT else DEFAULT_FORMATS.get(str(target), "fp32")
+    """The target's format when none is given: auto (measured) for the Qwen2.5-Coder pair and any
+    .gguf file (already quantized: an 8- or 4-bit format, kq its own blocks, keeps what it holds);
+    bf16 for smollm2-135m; fp32 for the bundled tiny models and local directories (pass
+    dtype='auto' to measure any of them)."""
+    if str(target) in AUTO_BY_DEFAULT or str(target).lower().endswith(".gguf"):
+        return AUTO
+    return DEFAULT_FORMATS.get(str(target), "fp32")
 
 
 def check_draft_dtype(draft_dtype: str | None, draft: str | None, method: str | None) -> None:

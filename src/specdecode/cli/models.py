@@ -84,6 +84,20 @@ def _progress(i: int, n: int, what: str) -> None:
     print(f"measuring formats: {i}/{n} {what:<16}", end=end, file=sys.stderr, flush=True)
 
 
+def kernel_line() -> str:
+    """What the kq rows ran on: the kernel's path and the paths that passed its self-check."""
+    from ..kernels import available, chosen_isa, runnable_isas, selfcheck
+
+    if not available():
+        return "kq: specdecode's kernel is not built here (no C compiler?); its rows are left out"
+    checked = [isa for isa in runnable_isas() if selfcheck(isa)]
+    runs = ", ".join(runnable_isas())
+    return (
+        f"kq: specdecode's kernel on the {chosen_isa()} path (this CPU runs {runs}; "
+        f"bit-exact against the reference: {', '.join(checked)}; SPECDECODE_ISA=... forces one)"
+    )
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -115,11 +129,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         progress=None if args.json else _progress,
     )
     if args.json:
-        print(json.dumps({"target": target, "draft": draft, "cpu": cpu_name(), **choice.to_dict()}))
+        print(json.dumps({"target": target, "draft": draft, "cpu": cpu_name(), "kernel": kernel_line(),
+                          **choice.to_dict()}))
         return 0
     pair = f"{target}" + (f" + {draft}" if draft else "")
     print(f"{pair} on {cpu_name()}, {torch.get_num_threads()} threads")
     print("\n".join(table(choice)))
+    print(kernel_line())
     print(choice.line())
     print(f"cached: {choice.cache}", file=sys.stderr)
     return 0

@@ -84,8 +84,12 @@ class ReducedHeadModel:
         if not model.lean:
             raise SpecDecodeError("a draft vocabulary needs our lean runtime for the draft model")
         self.inner, self.ids = model, ids
-        rows = model.lm_head.index_select(0, ids)
         kind = model.quant if model.quant in QUANT_KINDS else ("int8" if model.quant else None)
+        head = getattr(model, "_head", None)
+        if hasattr(head, "rows"):  # kq: the head's own blocks for these ids, as they are
+            self._head = head.rows(ids)
+            return
+        rows = model.lm_head.index_select(0, ids)
         # the head in the draft's own format (a GGUF-quantized draft's: int8)
         self._head = Linear(rows.clone()) if kind is None else quantized_linear([rows.float()], None, kind)
 
