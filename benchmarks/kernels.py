@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def main() -> int:
     from specdecode.models import ZOO, load
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", default="kq,w8a8,int4")
+    ap.add_argument("--formats", default="kq,kq@avx2,w8a8,int4", help="kq@ISA: kq forced onto that path")
     ap.add_argument("--rows", default="1,2,5,8,16,64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--llama-dir", default=str(ROOT / "benchmarks" / ".llama.cpp"))
@@ -90,26 +91,43 @@ def main() -> int:
     gguf = ZOO[name].gguf_path()
     models = {}
     for fmt in formats:
+        if "@" in fmt:  # the same kq model on a forced path (set around its passes: on_path)
+            models[fmt] = models[fmt.split("@")[0]]
+            continue
         dtype = torch.float32 if fmt in ("kq", "w8a8") else torch.bfloat16
         print(f"loading {name} as {fmt}", file=sys.stderr)
         m = load(name, dtype=dtype, quant=fmt)
         models[fmt] = ([lin for _, lin in m.linears()], dtype, m.weight_bytes())
+
+    def on_path(fmt: str) -> None:
+        """kq@ISA runs on that path (SPECDECODE_ISA, read when the choice is made), kq on the chosen one."""
+        isa = fmt.split("@")[1] if "@" in fmt else None
+        if isa:
+            os.environ["SPECDECODE_ISA"] = isa
+        else:
+            os.environ.pop("SPECDECODE_ISA", None)
+        kernels.chosen_isa.cache_clear()
+        kernels.chosen_isa()  # the choice (and its timing) now, outside the timed passes
+
     gen = torch.Generator().manual_seed(0)
     xs = {r: {k: torch.randn(r, k, generator=gen) for k in (1536, 8960)} for r in rows}
     best = {(f, r): float("inf") for f in formats for r in rows}
     buf = torch.ones(1 << 28)
     probe = 0.0
     for fmt in formats:  # warm: packing caches, page faults, the kernel's path choice
+        on_path(fmt)
         lins, dtype, _ = models[fmt]
         one_pass(lins, {k: v.to(dtype) for k, v in xs[rows[0]].items()})
     for rep in range(args.reps):
         probe = max(probe, probe_gbps(buf))
         for r in rows:
             for fmt in formats:
+                on_path(fmt)
                 lins, dtype, _ = models[fmt]
                 best[fmt, r] = min(best[fmt, r], one_pass(lins, {k: v.to(dtype) for k, v in xs[r].items()}))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr)
     probe = max(probe, probe_gbps(buf))
+    on_path("kq")
     llama = {} if args.no_llama else llama_bench(Path(args.llama_dir) / "build" / "bin", gguf, rows, 3)
     cpu = cpu_name()
     result = {

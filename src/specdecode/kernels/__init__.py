@@ -214,13 +214,13 @@ def chosen_isa() -> str:
         return "ref"
     if len(passing) == 1:
         return passing[0]
-    return min(passing, key=_timed)
+    weights = _timing_weights()  # held for the choice only
+    return min(passing, key=lambda isa: _timed(isa, weights))
 
 
-def _timed(isa: str, rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:
+def _timed(isa: str, weights: list[PackedWeight], rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:
     """Seconds of `rows` rows through 56 MB of random Q4_K weights on `isa` (past the caches, as
     in a forward), the fastest of `repeats` passes after a warm one."""
-    weights = _timing_weights()
     lib, threads, i = _lib(), torch.get_num_threads(), ISAS.index(isa)
     x = torch.randn(max(rows), weights[0].in_features, generator=torch.Generator().manual_seed(0))
     best = float("inf")
@@ -234,7 +234,6 @@ def _timed(isa: str, rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:
     return best
 
 
-@functools.cache
 def _timing_weights() -> list[PackedWeight]:
     gen = np.random.default_rng(1)
     raw = gen.integers(0, 256, (4096, 16, 144), dtype=np.uint8)

@@ -286,6 +286,8 @@ def load(
     if use_lean:
         try:
             model = LlamaModel.from_dir(path, dtype, dev, quant, qweights)
+            if qweights is not None and hasattr(qweights, "release"):
+                qweights.release()
         except KeyError as e:
             raise SpecDecodeError(f"{path}: weight {e} is missing; is this a Llama checkpoint?") from None
         except NotImplementedError as e:

@@ -77,6 +77,20 @@ class GGUFQWeights(Mapping):
             if name is not None and name.endswith(".weight") and len(t.shape) == 2 and "norm" not in name:
                 self.tensors[name] = t
 
+    def release(self) -> None:
+        """Let the OS drop the file's pages this process read while the blocks were packed (the
+        packed copies hold what the kernels read; the file stays mapped for later reads, such as
+        a draft vocabulary's head rows). Without it they count in the resident set: the 1.5B's
+        kq load grew RSS by 2.1 GB for 1.0 GB of weights."""
+        import mmap
+
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mapped.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
     def __len__(self) -> int:
         return len(self.tensors)
 

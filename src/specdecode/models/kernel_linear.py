@@ -43,7 +43,9 @@ class KernelLinear(Linear):
 
     row_multiple = 1
 
-    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: BlockWeight, bias: torch.Tensor | None = None, keep_blocks: bool = True
+    ) -> None:
         if not available():
             raise SpecDecodeError(
                 "the kq format needs specdecode's kernel, which is not built here (no C "
@@ -51,7 +53,9 @@ class KernelLinear(Linear):
             )
         self.out_features, self.in_features = weight.shape
         self.packed = PackedWeight(weight)
-        self.block_weight = weight  # the file's blocks, for row selections (draft vocabularies)
+        # the file's blocks, for row selections (a draft vocabulary's head) and float_weight: kept
+        # when they are a view of the file (free), not when stacking copied them (q|k|v, gate|up)
+        self.block_weight = weight if keep_blocks else None
         self.bias = None if bias is None else bias.float()
         self.numel = self.out_features * self.in_features + (0 if bias is None else bias.numel())
         self.nbytes = self.packed.nbytes + (0 if bias is None else 4 * bias.numel())
@@ -70,6 +74,8 @@ class KernelLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
     def float_weight(self) -> torch.Tensor:
+        if self.block_weight is None:
+            raise SpecDecodeError("this kq projection keeps only its packed tiles; load the model in float")
         return torch.from_numpy(self.block_weight.dequantize())
 
     def weight_matrix(self) -> torch.Tensor:
@@ -78,6 +84,8 @@ class KernelLinear(Linear):
     def rows(self, ids: torch.Tensor) -> KernelLinear:
         """The projection onto these outputs only (their blocks as they are)."""
         bias = None if self.bias is None else self.bias[ids]
+        if self.block_weight is None:
+            raise SpecDecodeError("this kq projection keeps only its packed tiles; load the model in float")
         return KernelLinear(self.block_weight.rows(np.asarray(ids.cpu())), bias)
 
 
@@ -95,6 +103,7 @@ def kernel_linears(parts: list, bias: torch.Tensor | None) -> list[KernelLinear]
     made, start = [], 0
     for run in runs:
         w = BlockWeight.cat(run)
-        made.append(KernelLinear(w, None if bias is None else bias[start : start + w.shape[0]]))
+        b = None if bias is None else bias[start : start + w.shape[0]]
+        made.append(KernelLinear(w, b, keep_blocks=len(run) == 1))
         start += w.shape[0]
     return made
