@@ -63,8 +63,6 @@ _DTYPE_DIRS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 def _zoo_dir(name: str, dtype: torch.dtype) -> Path:
     """The converted directory of a zoo model in `dtype`, converting the installed GGUF once."""
-    from .gguf_import import import_gguf
-
     if dtype not in _DTYPE_DIRS:
         raise SpecDecodeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     out = cache_dir() / name / _DTYPE_DIRS[dtype]
@@ -74,6 +72,13 @@ def _zoo_dir(name: str, dtype: torch.dtype) -> Path:
         gguf = ZOO[name].gguf_path()
     except SpecDecodeError as e:
         raise SpecDecodeError(f"model {name!r}: {e}") from None
+    return _convert(gguf, out, dtype)
+
+
+def _convert(gguf: Path, out: Path, dtype: torch.dtype) -> Path:
+    """Convert a GGUF into the model directory `out` (once: the caller checked it is not there)."""
+    from .gguf_import import import_gguf
+
     print(f"specdecode: converting {gguf.name} to {out} ({_DTYPE_DIRS[dtype]}, once)", file=sys.stderr)
     try:
         return import_gguf(gguf, out, dtype, progress=True)
@@ -129,20 +134,10 @@ def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
 def _gguf_file_dir(path: Path, dtype: torch.dtype) -> Path:
     """The converted directory of any Llama/Qwen2/Qwen3 .gguf file (tokenizer, config, float
     weights for the embedding table), converted once and kept under the file's hash."""
-    from .gguf_import import import_gguf
-
     if dtype not in _DTYPE_DIRS:
         raise SpecDecodeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     out = cache_dir() / "gguf-files" / f"{path.stem}-{_file_hash(path)}" / _DTYPE_DIRS[dtype]
-    if (out / "config.json").exists():
-        return out
-    print(f"specdecode: converting {path.name} to {out} ({_DTYPE_DIRS[dtype]}, once)", file=sys.stderr)
-    try:
-        return import_gguf(path, out, dtype, progress=True)
-    except OSError as e:
-        raise SpecDecodeError(
-            f"cannot write {out}: {e.strerror}; set SPECDECODE_CACHE to a writable directory"
-        ) from None
+    return out if (out / "config.json").exists() else _convert(path, out, dtype)
 
 
 def resolve(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:

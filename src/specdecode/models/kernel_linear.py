@@ -15,7 +15,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..kernels import BlockWeight, PackedWeight, available, linear, quantize_q4_k, quantize_q8_0
-from .linear import Linear
+from .linear import Linear, runs_of
 
 
 def to_blocks(weight: torch.Tensor) -> BlockWeight:
@@ -94,14 +94,8 @@ def kernel_linears(parts: list, bias: torch.Tensor | None) -> list[KernelLinear]
     blocks): one KernelLinear when their formats agree, else one per run of a format, whose
     outputs sit side by side (quant.ConcatLinear)."""
     blocks = [p if isinstance(p, BlockWeight) else to_blocks(p) for p in parts]
-    runs: list[list[BlockWeight]] = []
-    for b in blocks:
-        if runs and (runs[-1][0].kind, runs[-1][0].raw.shape[1]) == (b.kind, b.raw.shape[1]):
-            runs[-1].append(b)
-        else:
-            runs.append([b])
     made, start = [], 0
-    for run in runs:
+    for run in runs_of(blocks, lambda b: (b.kind, b.raw.shape[1])):
         w = BlockWeight.cat(run)
         b = None if bias is None else bias[start : start + w.shape[0]]
         made.append(KernelLinear(w, b, keep_blocks=len(run) == 1))

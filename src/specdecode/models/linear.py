@@ -174,6 +174,18 @@ class Linear:
         return F.linear(x, w, b)
 
 
+def runs_of(items: list, key) -> list[list]:
+    """Consecutive items with the same key(item), in order: projections whose stacked parts
+    differ in format run one kernel call per run (q|k beside v)."""
+    runs: list[list] = []
+    for item in items:
+        if runs and key(runs[-1][0]) == key(item):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
 # unpacked bf16/fp16 products of this many rows or more (not batch-invariant ones) run in float32
 UPCAST_FROM_ROWS = 16
 _ROW_MULTIPLE: dict[tuple, int] = {}

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
-from .linear import UPCAST_FROM_ROWS, Linear
+from .linear import UPCAST_FROM_ROWS, Linear, runs_of
 
 # weight format name -> (bits, group size; None: one scale per output row). w8a8: int8 weights
 # per row times int8 activations quantized per row on the fly (DynamicInt8Linear); kq: GGUF blocks
@@ -522,14 +522,8 @@ def quantized_linear(
         return QuantLinear(QWeight.cat(qs), bias)
     except ValueError:
         pass
-    runs: list[list[QWeight]] = []  # consecutive parts of one format share a kernel call
-    for q in qs:
-        if runs and (runs[-1][0].bits, runs[-1][0].group) == (q.bits, q.group):
-            runs[-1].append(q)
-        else:
-            runs.append([q])
     out, start = [], 0
-    for run in runs:
+    for run in runs_of(qs, lambda q: (q.bits, q.group)):  # consecutive parts of one format: one call
         q = QWeight.cat(run)
         b = None if bias is None else bias[start : start + q.shape[0]]
         out.append(QuantLinear(q, b))
