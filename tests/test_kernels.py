@@ -362,3 +362,23 @@ def test_generate_takes_a_gguf_path_and_measures_its_format_by_default(
     assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 4
     assert main(["generate", "--target", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2
     assert "no such GGUF file" in capsys.readouterr().err
+
+
+def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(monkeypatch):
+    monkeypatch.delenv("SPECDECODE_ISA", raising=False)
+    monkeypatch.setattr(kernels, "runnable_isas", lambda: ["ref", "avx2", "avx512vnni"])
+    monkeypatch.setattr(kernels, "selfcheck", lambda isa: True)
+    monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
+    for seconds, want in (
+        ({"avx2": 1.0, "avx512vnni": 1.1}, "avx512vnni"),
+        ({"avx2": 1.0, "avx512vnni": 1.3}, "avx2"),
+    ):
+        monkeypatch.setattr(kernels, "_timed", lambda isa, weights, s=seconds: s[isa])
+        kernels.chosen_isa.cache_clear()
+        try:
+            assert kernels.chosen_isa() == want, seconds
+        finally:
+            kernels.chosen_isa.cache_clear()
+    monkeypatch.setattr(kernels, "selfcheck", lambda isa: isa == "ref")  # nothing else is exact here
+    assert kernels.chosen_isa() == "ref"
+    kernels.chosen_isa.cache_clear()

@@ -4,7 +4,8 @@ count. The rest of the runtime sees `linear(x, packed)`.
 
 Which instruction-set path runs is decided once per process: every path this build has and this
 CPU runs (cpuid + xgetbv, in C) is checked bit for bit against the scalar reference on random
-and extreme inputs (`selfcheck`); of those that pass, the fastest on a timed product runs.
+and extreme inputs (`selfcheck`); of those that pass, the widest runs unless a narrower one
+was clearly faster on a timed product (`chosen_isa`).
 SPECDECODE_ISA=ref|avx2|avxvnni|avx512vnni forces one (an error if it cannot run or fails the
 check). Without a compiler or with a failed build, `available()` is False with one line on
 stderr, and the formats that need the kernel are not offered.
@@ -25,7 +26,8 @@ from ..errors import SpecDecodeError
 from .blocks import CODE, BlockWeight, quantize_q4_k, quantize_q8_0
 from .build import BuildError, built_library
 
-ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order
+ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
+CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
 ABI = 1
 
 __all__ = [
@@ -197,8 +199,9 @@ def selfcheck(isa: str) -> bool:
 
 @functools.cache
 def chosen_isa() -> str:
-    """The path products take: SPECDECODE_ISA when set, else the fastest of those that pass the
-    self-check (timed at 1 and 8 rows on 56 MB of Q4_K weights: _timed)."""
+    """The path products take: SPECDECODE_ISA when set, else of those that pass the self-check
+    the widest, unless a narrower one was more than CLEARLY times faster (timed at 1 and 8 rows
+    on 56 MB of Q4_K weights: _timed)."""
     forced = os.environ.get("SPECDECODE_ISA")
     if forced:
         if forced not in ISAS:
@@ -215,7 +218,10 @@ def chosen_isa() -> str:
     if len(passing) == 1:
         return passing[0]
     weights = _timing_weights()  # held for the choice only
-    return min(passing, key=lambda isa: _timed(isa, weights))
+    seconds = {isa: _timed(isa, weights) for isa in passing}
+    # the widest path unless a narrower one is clearly faster: a timing beside other work on the
+    # machine is noisy, and a wrong pick here costs speed only (every path gives the same bits)
+    return next(isa for isa in reversed(passing) if seconds[isa] <= CLEARLY * min(seconds.values()))
 
 
 def _timed(isa: str, weights: list[PackedWeight], rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:

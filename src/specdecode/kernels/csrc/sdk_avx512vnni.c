@@ -2,7 +2,7 @@
  * column (unsigned weight values x signed activation codes) into int32 lanes. Rows go in
  * groups of up to ROWS: a sub-block's weights are decoded once into registers and applied to
  * every row of the group (the block's bytes come from memory once per call and from L1 for
- * later groups), with one independent dot-product chain per row. The integer sums are exact,
+ * later groups), with two independent dot-product chains per row. The integer sums are exact,
  * so neither the grouping nor the split into chains moves a bit. */
 #include <immintrin.h>
 #include <string.h>
@@ -149,26 +149,10 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     }
 }
 
-/* blocks ahead whose bytes are asked for before they are needed (the hardware's prefetchers
- * alone left a one-row Q6_K product at half the read speed of a Q4_K one) */
-int sdk_prefetch = 2;
-#define PREFETCH sdk_prefetch
-
-static inline void prefetch_block(const uint8_t *tile, int nblk, int b, int ints, int scales) {
-    if (b >= nblk || sdk_prefetch == 0) return;
-    const char *p = (const char *)tile + (size_t)b * ints;
-    for (int i = 0; i < ints; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-    if (scales) {
-        const char *q = (const char *)tile + (size_t)nblk * ints + (size_t)b * scales;
-        for (int i = 0; i < scales; i += 64) _mm_prefetch(q + i, _MM_HINT_T0);
-    }
-}
-
 /* rows in groups: of 4 while more than 6 are left, then the rest as one group (a verification
  * of 5 or 6 rows decodes each block once) */
-#define GROUPS(fn, ints, scales)                                                                     \
+#define GROUPS(fn)                                                                                   \
     for (int b = 0; b < nblk; b++) {                                                                         \
-        prefetch_block(rec, nblk, b + PREFETCH, ints, scales);                                               \
         int r = 0;                                                                                           \
         for (; rows - r > 6; r += 4) fn(4, rec, nblk, a, m0 + r, b, acc + r * 16);                                 \
         switch (rows - r) {                                                                                  \
@@ -187,10 +171,10 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
     const int rows = m1 - m0;
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + r * 16, _mm512_setzero_ps());
     if (type == SDK_Q4K) {
-        GROUPS(q4k_block, SDK_Q4K_REC, 0)
+        GROUPS(q4k_block)
     } else if (type == SDK_Q6K) {
-        GROUPS(q6k_block, SDK_Q6K_INTS, SDK_Q6K_SCALES)
+        GROUPS(q6k_block)
     } else {
-        GROUPS(q8_block, SDK_Q8_INTS, SDK_Q8_SCALES)
+        GROUPS(q8_block)
     }
 }
