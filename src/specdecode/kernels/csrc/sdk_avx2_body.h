@@ -22,6 +22,9 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 0, 0, 0); }
 
 #define LD(p) _mm256_loadu_si256((const __m256i *)(p))
+/* software prefetch about one block ahead in the read stream (see sdk_avx512vnni.c) */
+#define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
 void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                  uint8_t *scratch) {
@@ -36,11 +39,17 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 for (int i = 0; i < 4; i++)
                     for (int h = 0; h < 2; h++) {
                         __m256i v = LD(rec + (j * 4 + i) * 64 + h * 32);
+                        if (!h) PF(rec + SDK_Q4K_REC + (j * 4 + i) * 64 + (j == 7 ? 256 : 0));
                         w[(j * 8 + i) * 2 + h] = _mm256_and_si256(v, low4);
                         w[(j * 8 + i + 4) * 2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     }
-                for (int h = 0; h < 2; h++)
-                    sc[j * 2 + h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
+#ifndef SDK_VNNI256
+                    v = _mm256_or_si256(v, _mm256_slli_epi32(v, 16)); /* (sc, sc) int16 pairs */
+#endif
+                    sc[j * 2 + h] = v;
+                }
             }
             for (int q = 0; q < 4; q++) /* minimums as (2q, 2q + 1) int16 pairs per column */
                 for (int h = 0; h < 2; h++)
@@ -57,9 +66,18 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 for (int h = 0; h < 2; h++) {
                     __m256i isum = _mm256_setzero_si256(), imin = _mm256_setzero_si256();
                     for (int j = 0; j < 8; j++) {
+#ifdef SDK_VNNI256
                         __m256i s = _mm256_setzero_si256();
                         for (int g = 0; g < 8; g++) s = dot4(s, w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4));
                         isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, sc[j * 2 + h]));
+#else
+                        /* the sub-block's int16 pairs summed as int16 (8 x 2 x 15 x 127 = 30480: no
+                         * overflow), then one vpmaddwd applies the scale */
+                        __m256i s = _mm256_setzero_si256();
+                        for (int g = 0; g < 8; g++)
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4)));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s, sc[j * 2 + h]));
+#endif
                     }
                     for (int q = 0; q < 4; q++)
                         imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q * 2 + h], _mm256_set1_epi32(xp[q])));
@@ -80,6 +98,10 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     const uint8_t *chunk = rec + j * 384;
                     __m256i h0 = LD(chunk + 256 + h * 32);
                     __m256i h1 = LD(chunk + 320 + h * 32);
+                    if (!h) {
+                        for (int l = 0; l < 6; l++) PF2(chunk + SDK_Q6K_REC + l * 64);
+                        if (j < 5) PF2(scales + SDK_Q6K_SCALES + j * 64);
+                    }
                     for (int i = 0; i < 4; i++) {
                         __m256i v = LD(chunk + i * 64 + h * 32);
                         __m256i lo = _mm256_and_si256(v, low4);
@@ -91,8 +113,13 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     }
                 }
             for (int s = 0; s < 16; s++)
-                for (int h = 0; h < 2; h++)
-                    sc[s * 2 + h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + s * 16 + h * 8)));
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + s * 16 + h * 8)));
+#ifndef SDK_VNNI256
+                    v = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+#endif
+                    sc[s * 2 + h] = v; /* without VNNI: (sc, sc) int16 pairs */
+                }
             __m256 d[2];
             for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 256 + h * 16)));
             for (int r = 0; r < rows; r++) {
@@ -100,13 +127,31 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
                 __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
                 for (int h = 0; h < 2; h++) {
-                    __m256i isum = _mm256_setzero_si256();
+                    __m256i isum = _mm256_setzero_si256(), off = _mm256_setzero_si256();
+                    (void)off;
                     for (int s = 0; s < 16; s++) {
+#ifdef SDK_VNNI256
                         __m256i t = _mm256_setzero_si256();
                         for (int g = 0; g < 4; g++) t = dot4(t, w[(s * 4 + g) * 2 + h], bcast4(x + s * 16 + g * 4));
                         t = _mm256_sub_epi32(t, _mm256_set1_epi32(32 * xs[s]));
                         isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(t, sc[s * 2 + h]));
+#else
+                        /* two int16 pairs summed as int16 (2 x 2 x 63 x 127 = 32004: no overflow),
+                         * each sum times the scale by vpmaddwd; the offset 32 as sc x xs, shifted */
+                        const __m256i *ws = w + s * 8 + h;
+                        __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(ws[0], bcast4(x + s * 16)),
+                                                      _mm256_maddubs_epi16(ws[2], bcast4(x + s * 16 + 4)));
+                        __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(ws[4], bcast4(x + s * 16 + 8)),
+                                                      _mm256_maddubs_epi16(ws[6], bcast4(x + s * 16 + 12)));
+                        isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(t0, sc[s * 2 + h]),
+                                                                       _mm256_madd_epi16(t1, sc[s * 2 + h])));
+                        /* sc x xs (|xs| <= 2032: an int16) in the pair's low half */
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(sc[s * 2 + h], _mm256_set1_epi32(xs[s] & 0xffff)));
+#endif
                     }
+#ifndef SDK_VNNI256
+                    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+#endif
                     if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
                     __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
                     y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);
@@ -124,6 +169,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++) {
                     __m256i u = LD(rec + g * 64 + h * 32);
+                    if (!h) PF(rec + 4 * SDK_Q8_REC + g * 64);
 #ifdef SDK_VNNI256
                     v[g * 2 + h] = u;
                     sg[g * 2 + h] = u;
@@ -134,6 +180,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
 #endif
                 }
             __m256 d[2];
+            if (!(b & 1)) PF(scales + 8 * SDK_Q8_SCALES);
             for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 32;

@@ -10,6 +10,21 @@
 #include "sdk.h"
 
 #define ROWS 6 /* the largest row group (registers: 8 weight vectors, 2 chains and a sum a row) */
+
+/* software prefetch, about one block ahead in the read stream: the hardware prefetcher alone left
+ * a 5-row product waiting on memory. Q6_K's lines go to L2 (T1), the others' to L1: each the
+ * faster of the two in A/B runs on an AMD EPYC (benchmarks/NOTES.md, issue 53) */
+#ifndef SDK_PF_Q4K
+#define SDK_PF_Q4K SDK_Q4K_REC
+#endif
+#ifndef SDK_PF_Q6K
+#define SDK_PF_Q6K SDK_Q6K_REC
+#endif
+#ifndef SDK_PF_Q8
+#define SDK_PF_Q8 (4 * SDK_Q8_REC)
+#endif
+#define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 #define UNROLL(n) _Pragma("GCC unroll 8")
 
 /* acc += w (16 x 4 unsigned bytes) . the 4 signed codes at p, broadcast by the instruction itself
@@ -59,6 +74,7 @@ static inline __attribute__((always_inline)) void q4k_block(const int R, const u
         __m512i w[8], s[ROWS][2];
         UNROLL(4) for (int i = 0; i < 4; i++) {
             __m512i v = _mm512_loadu_si512(rec + (j * 4 + i) * 64);
+            PF(rec + SDK_PF_Q4K + (j * 4 + i) * 64 + (j == 7 ? 256 : 0)); /* + the scales' 5 lines */
             w[i] = _mm512_and_si512(v, low4);
             w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
@@ -90,7 +106,7 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
     const uint8_t *rec = tile + (size_t)b * SDK_Q6K_INTS;
     const uint8_t *scales = tile + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
     const int kp = a->kp, n16 = kp / 16;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
     const int8_t *x[ROWS];
     __m512i isum[ROWS];
     UNROLL(8) for (int r = 0; r < R; r++) {
@@ -101,23 +117,33 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
         __m512i w[8];
         const uint8_t *chunk = rec + j * 384; /* 4 vectors of low nibbles, 2 of high bit pairs */
         __m512i h0 = _mm512_loadu_si512(chunk + 256), h1 = _mm512_loadu_si512(chunk + 320);
+        PF2(chunk + SDK_PF_Q6K + 256);
+        PF2(chunk + SDK_PF_Q6K + 320);
+        if (j < 5) PF2(scales + SDK_Q6K_SCALES + j * 64); /* the next block's scales */
         UNROLL(4) for (int i = 0; i < 4; i++) {
             __m512i v = _mm512_loadu_si512(chunk + i * 64);
-            __m512i b0 = _mm512_and_si512(_mm512_srli_epi16(h0, 2 * i), low2);
-            __m512i b1 = _mm512_and_si512(_mm512_srli_epi16(h1, 2 * i), low2);
-            w[i] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi16(b0, 4));
-            w[i + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_slli_epi16(b1, 4));
+            PF2(chunk + SDK_PF_Q6K + i * 64);
+            /* value i's high bit pair (bits 2i, 2i + 1 of each byte) moved to bits 4 and 5: the
+             * 16-bit shifts bring bits from within the same byte into them */
+            __m512i b0 = i < 2 ? _mm512_slli_epi16(h0, 4 - 2 * i) : (i == 2 ? h0 : _mm512_srli_epi16(h0, 2));
+            __m512i b1 = i < 2 ? _mm512_slli_epi16(h1, 4 - 2 * i) : (i == 2 ? h1 : _mm512_srli_epi16(h1, 2));
+            /* (v & 0x0f) | (b & 0x30) in two instructions: and, then a ternary (A & C) | B (0xEC) */
+            w[i] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(b0, bits45), low4, 0xEC);
+            w[i + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(b1, bits45), low4, 0xEC);
         }
         UNROLL(2) for (int half = 0; half < 2; half++) {
+            /* one dot-product chain a row when three or more rows give independent chains */
+            const int two = R < 3;
             __m512i t[ROWS][2];
             UNROLL(8) for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
             UNROLL(4) for (int g = 0; g < 4; g++)
                 UNROLL(8) for (int r = 0; r < R; r++)
-                    t[r][g & 1] = dpb(t[r][g & 1], w[half * 4 + g], x[r] + j * 32 + half * 16 + g * 4);
+                    t[r][two & g] = dpb(t[r][two & g], w[half * 4 + g], x[r] + j * 32 + half * 16 + g * 4);
             __m512i sc = s8x16(scales + (j * 2 + half) * 16);
             UNROLL(8) for (int r = 0; r < R; r++) {
                 const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + j * 2 + half;
-                __m512i u = _mm512_sub_epi32(_mm512_add_epi32(t[r][0], t[r][1]), _mm512_set1_epi32(32 * xs[0]));
+                __m512i u = two ? _mm512_add_epi32(t[r][0], t[r][1]) : t[r][0];
+                u = _mm512_sub_epi32(u, _mm512_set1_epi32(32 * xs[0]));
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(u, sc));
             }
         }
@@ -137,10 +163,13 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     UNROLL(8) for (int g = 0; g < 8; g++) {
         __m512i v = _mm512_loadu_si512(rec + g * 64);
+        PF(rec + SDK_PF_Q8 + g * 64);
         UNROLL(8) for (int r = 0; r < R; r++)
             s[r][g & 1] = dpb(s[r][g & 1], v, a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
     }
-    __m512 d = h2f16(tile + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES);
+    const uint8_t *scales = tile + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
+    if (!(b & 1)) PF(scales + 8 * SDK_Q8_SCALES); /* the scales' line of 8 blocks ahead */
+    __m512 d = h2f16(scales);
     UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
         __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(128 * (xs[0] + xs[1])));
