@@ -285,6 +285,16 @@ def measure(
         return FormatCosts(fmt, error=str(e).splitlines()[0][:160])
 
 
+def _kernel_build(formats: tuple) -> str | None:
+    """Our kernel's build key when kq is among the formats measured (a changed kernel is measured
+    anew), else None."""
+    if "kq" not in json.dumps(formats):
+        return None
+    from . import kernels
+
+    return kernels.build_id()
+
+
 def _key(target: Shapes, draft: Shapes | None, k: int, invariant: bool, formats: tuple) -> str:
     import torch
 
@@ -299,6 +309,7 @@ def _key(target: Shapes, draft: Shapes | None, k: int, invariant: bool, formats:
             cpu_name(),
             torch.__version__,
             torch.get_num_threads(),
+            _kernel_build(formats),
         ],
         sort_keys=True,
     )

@@ -39,6 +39,7 @@ __all__ = [
     "linear",
     "quantize_q4_k",
     "quantize_q8_0",
+    "build_id",
     "runnable_isas",
     "selfcheck",
 ]
@@ -82,6 +83,13 @@ def _lib() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernel is built and loaded here (building it on first use)."""
     return _lib() is not None
+
+
+@functools.cache
+def build_id() -> str | None:
+    """The loaded build's key (a hash of the sources, compiler and flags), None when none is
+    loaded: a cached measurement of the kernel is redone when it changes."""
+    return None if _lib() is None else built_library().parent.name
 
 
 def runnable_isas() -> list[str]:
