@@ -20,7 +20,6 @@ from helpers import check_distribution, draft_pair_two_tokens, noisy_copy, resam
 from specdecode import SamplingParams, SpeculativeGenerator, kernels, load
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import BlockWeight, PackedWeight, quantize_q4_k, quantize_q8_0
-from specdecode.kernels.blocks import q5_0_as_q8_0
 from specdecode.models.init import init_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel could not be built here")
@@ -40,7 +39,7 @@ def weights(rng: np.random.Generator, n: int, k: int) -> list[BlockWeight]:
     w[0] = 1.0
     if n > 1:
         w[1, ::2], w[1, 1::2] = 4.0, -4.0
-    return [quantize_q4_k(w), quantize_q8_0(w), random_q6_k(n, k, rng)]
+    return [quantize_q4_k(w), quantize_q8_0(w), random_q6_k(n, k, rng), kernels._q5_0_of(w, rng)]
 
 
 def rows(rng: np.random.Generator, m: int, k: int) -> torch.Tensor:
@@ -115,9 +114,10 @@ def test_blocks_decode_as_the_gguf_library_decodes_them():
     d, _, sc, _, _ = _q4_k_fields(quantize_q4_k(w).raw)
     half_step = np.repeat(d[..., None] * sc / 2, 32, -1).reshape(24, 512)
     assert (np.abs(quantize_q4_k(w).dequantize() - w) <= half_step * 1.01 + 1e-6).all()
-    q5 = gguf.quants.quantize(w, T.Q5_0)  # Q5_0 rows become Q8_0 rows with the same integers
-    as_q8 = BlockWeight("q8_0", q5_0_as_q8_0(q5), 512)
-    assert np.array_equal(as_q8.dequantize(), gguf.quants.dequantize(q5, T.Q5_0).reshape(24, 512))
+    q5 = gguf.quants.quantize(w, T.Q5_0)  # a file's Q5_0 rows, kept as they are
+    for raw in (q5, kernels._q5_0_of(w, rng).raw):
+        want = gguf.quants.dequantize(raw, T.Q5_0).reshape(24, 512)
+        assert np.array_equal(BlockWeight("q5_0", raw, 512).dequantize(), want)
 
 
 @pytest.mark.parametrize("isa", SIMD)
@@ -225,12 +225,13 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
         pytest.skip(f"no AddressSanitizer runtime: {r.stderr.splitlines()[0]}")
     assert r.returncode == 0, r.stderr
     rng = np.random.default_rng(4)
-    cases = tmp_path / "cases.bin"
+    cases, count = tmp_path / "cases.bin", 0
     with open(cases, "wb") as f:
         for n, k in ((1, 32), (17, 300), (33, 520), (5, 256), (16, 1040)):
             for w in weights(rng, n, k):
                 packed = PackedWeight(w)
                 for m in (1, 3, 7, 65):
+                    count += 1
                     tiles = packed.tiles.numpy()
                     head = [packed.code, n, packed.blocks, k, m, tiles.nbytes]
                     f.write(
@@ -246,7 +247,7 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"},
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.startswith("60 cases")
+    assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0
 
 
 # -- a model on the kernel -------------------------------------------------------------------------

@@ -3,8 +3,7 @@ quantizing float rows to Q4_K or Q8_0, and repacking rows into the kernel's tile
 
 A `BlockWeight` is a matrix as a GGUF stores it: `raw` [rows, bytes per row] in llama.cpp's own
 block layout, so a file's tensor is used byte for byte (rows may be reordered, stacked or
-selected without touching a block). Q5_0 rows become Q8_0 rows with the same scale and the same
-integers (-16..15 fit a byte): no value changes. `tiles()` lays the blocks out for the kernel:
+selected without touching a block). `tiles()` lays the blocks out for the kernel:
 groups of 16 output rows, per block their integers first (4 inputs x 16 rows per 64 bytes, the
 order a vpdpbusd reads), then the scales; sdk.h gives the record sizes.
 
@@ -12,7 +11,8 @@ Layouts (ggml's, ggml-common.h): Q4_K, 144 bytes per 256: fp16 d, fp16 dmin, 12 
 scales and mins, 128 bytes of nibbles (chunk c of 64: low nibbles inputs c*64..+31, high ones
 c*64+32..+63); w = d * sc * q - dmin * m. Q6_K, 210 bytes per 256: 128 bytes of low nibbles, 64 of
 high 2-bit pairs, 16 int8 scales (one per 16), fp16 d; w = d * sc * (q - 32). Q8_0, 34 bytes per
-32: fp16 d, 32 int8; w = d * q.
+32: fp16 d, 32 int8; w = d * q. Q5_0, 22 bytes per 32: fp16 d, 32 fifth bits, 16 bytes of nibbles
+(inputs 0..15 low, 16..31 high); w = d * (u - 16).
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ import numpy as np
 from ..errors import SpecDecodeError
 
 TILE = 16
-BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34)}  # inputs, bytes
-RECORD = {"q4_k": 2048 + 128 + 128 + 32 + 32, "q6_k": 2048 + 1024 + 256 + 32, "q8_0": 512 + 32}
-CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3}  # sdk.h's SDK_Q4K, SDK_Q6K, SDK_Q8_0
+BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22)}  # inputs, bytes
+RECORD = {
+    "q4_k": 2048 + 128 + 128 + 32 + 32,
+    "q6_k": 2048 + 1024 + 256 + 32,
+    "q8_0": 512 + 32,
+    "q5_0": 320 + 32,
+}
+CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3, "q5_0": 4}  # sdk.h's SDK_Q4K, SDK_Q6K, SDK_Q8_0, SDK_Q5_0
 
 
 @dataclass
@@ -66,6 +71,9 @@ class BlockWeight:
         if self.kind == "q8_0":
             d, q = _q8_0_fields(self.raw)
             w = q.astype(np.float32) * d[..., None]
+        elif self.kind == "q5_0":
+            d, u = _q5_0_fields(self.raw)
+            w = (u.astype(np.float32) - 16) * d[..., None]
         elif self.kind == "q4_k":
             d, dmin, sc, mn, q = _q4_k_fields(self.raw)
             scale = (d[..., None] * sc).repeat(32, -1)  # [n, nb, 256]
@@ -81,7 +89,9 @@ class BlockWeight:
         tile's integers for every block first, then its scales; sdk.h)."""
         pad = -self.raw.shape[0] % TILE
         raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
-        return {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0}[self.kind](raw)
+        return {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0, "q5_0": _tiles_q5_0}[
+            self.kind
+        ](raw)
 
 
 def _f16(raw: np.ndarray, offset: int) -> np.ndarray:
@@ -130,18 +140,14 @@ def _q6_k_fields(raw):
     return _f16(b, 208).astype(np.float32), sc, q
 
 
-def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q5_0 rows (22 bytes per 32: fp16 d, 32 high bits, 16 bytes of nibbles; w = d * (q - 16))
-    as Q8_0 rows with the same d and the same integers."""
-    b = raw.reshape(raw.shape[0], -1, 22)
+def _q5_0_fields(raw):
+    """Q5_0 rows (22 bytes per 32: fp16 d, 32 high bits, 16 bytes of nibbles; w = d * (u - 16))
+    -> d [n, nb] and the values u [n, nb, 32] (0..31)."""
+    b = _blocks(raw, "q5_0")
     qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, nb, 1]
     qs = b[..., 6:22]
-    bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, nb, 32]
-    q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int16) | (bits.astype(np.int16) << 4)
-    out = np.empty((*b.shape[:2], 34), np.uint8)
-    out[..., 0:2] = b[..., 0:2]
-    out[..., 2:] = (q - 16).astype(np.int8).view(np.uint8)
-    return out.reshape(raw.shape[0], -1)
+    bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, nb, 32]
+    return _f16(b, 0).astype(np.float32), np.concatenate([qs & 15, qs >> 4], -1) | (bits << 4)
 
 
 def quantize_q8_0(w: np.ndarray) -> BlockWeight:
@@ -233,6 +239,19 @@ def _tiles_q8_0(raw):
     u = u.transpose(0, 2, 3, 1, 4).reshape(t, nb, 512)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
     return _ints_then_scales(u, f16)
+
+
+def _tiles_q5_0(raw):
+    d, u = _q5_0_fields(raw)
+    t, nb = raw.shape[0] // TILE, u.shape[1]
+    u = u.reshape(t, TILE, nb, 2, 4, 4)  # tile, row, block, half, i, kk: input 16 half + 4 i + kk
+    nib = (u[..., 0, :, :] & 15) | ((u[..., 1, :, :] & 15) << 4)  # [t, 16, nb, 4, 4]
+    nib = nib.transpose(0, 2, 3, 1, 4).reshape(t, nb, 256)
+    g = u.reshape(t, TILE, nb, 8, 4) >> 4  # the fifth bit of input 4 g + kk
+    plane = sum(g[:, :, :, j, :] << j for j in range(8)).astype(np.uint8)  # [t, 16, nb, 4]
+    plane = plane.transpose(0, 2, 1, 3).reshape(t, nb, 64)
+    f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
+    return _ints_then_scales(np.concatenate([nib, plane], -1), f16)
 
 
 def check_kind(kind: str) -> str:

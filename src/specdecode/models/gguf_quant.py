@@ -12,8 +12,8 @@ Other types have no torch kernel of their own: Q6_K, Q5_0, Q8_0 and float matric
 with one scale per output row, quantized from their dequantized values (int8 keeps more than
 the 5-6 bits these carry, up to the row's range). `q8_0` requantizes everything that way.
 
-`kq` (specdecode's kernel, kernels/) keeps every Q4_K, Q6_K and Q8_0 tensor byte for byte and
-Q5_0 as Q8_0 with the same integers: the very weights llama.cpp reads. Any other type (F16, Q4_1,
+`kq` (specdecode's kernel, kernels/) keeps every Q4_K, Q6_K, Q8_0 and Q5_0 tensor's values bit
+for bit: the very weights llama.cpp reads. Any other type (F16, Q4_1,
 ...) is dequantized and rounded to Q8_0, said once per file on stderr.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
-from ..kernels.blocks import BlockWeight, q5_0_as_q8_0, quantize_q8_0
+from ..kernels.blocks import BlockWeight, quantize_q8_0
 from .gguf_import import _field, _require_gguf, hf_name, unpermute_rope
 from .quant import QWeight, _bf16
 
@@ -112,12 +112,10 @@ class GGUFQWeights(Mapping):
         return self._unpermute(name, q)
 
     def _blocks(self, t, kind: str, rows: int, cols: int) -> BlockWeight:
-        """A tensor's blocks for the kernel: as stored, Q5_0 as Q8_0, anything else rounded to Q8_0."""
+        """A tensor's blocks for the kernel: as stored, anything else rounded to Q8_0."""
         raw = np.asarray(t.data).reshape(rows, -1)
-        if kind in ("Q4_K", "Q6_K", "Q8_0"):
+        if kind in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
             return BlockWeight(kind.lower(), raw, cols)
-        if kind == "Q5_0":
-            return BlockWeight("q8_0", q5_0_as_q8_0(raw), cols)
         if kind not in self.rounded:
             self.rounded.add(kind)
             print(f"specdecode: {self.path.name}: its {kind} matrices have no kernel of their own; "

@@ -1,11 +1,11 @@
 """Projections through specdecode's own kernel (kernels/): GGUF blocks times int8 activations.
 
-`kq` is the weight format: a GGUF's own Q4_K, Q6_K and Q8_0 blocks byte for byte (Q5_0 as Q8_0
-with the same integers), or float weights rounded to Q4_K (Q8_0 where the input width is not a
-multiple of 256). Each row's activations are quantized on their own and every integer sum is
-exact, so a row's output does not depend on how many rows share the call, on the instruction
-set or on the threads: the batch-invariant forward needs no padding (`row_multiple` 1) and
-costs nothing, and a prefill writes the keys and values one-token steps would write.
+`kq` is the weight format: a GGUF's own Q4_K, Q6_K, Q8_0 and Q5_0 blocks byte for byte, or float
+weights rounded to Q4_K (Q8_0 where the input width is not a multiple of 256). Each row's
+activations are quantized on their own and every integer sum is exact, so a row's output does
+not depend on how many rows share the call, on the instruction set or on the threads: the
+batch-invariant forward needs no padding (`row_multiple` 1) and costs nothing, and a prefill
+writes the keys and values one-token steps would write.
 """
 
 from __future__ import annotations

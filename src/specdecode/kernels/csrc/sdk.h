@@ -19,12 +19,12 @@
 #define SDK_QK 256   /* activation block (one scale) and k-quant super-block */
 #define SDK_ROWS 64  /* rows per chunk (a prefill is tiled over rows by this) */
 
-enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3 };
+enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
 
-/* bytes of one tile per block (a super-block of 256 inputs; Q8_0: a block of 32). Q4_K's
+/* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0: a block of 32). Q4_K's
  * record (37 cache lines) holds everything; Q6_K and Q8_0 keep a tile's integers first, every
- * block's at a whole number of cache lines (no 64-byte load straddles two), then its scales:
+ * block's at a whole number of cache lines (Q5_0 likewise) (no 64-byte load straddles two), then its scales:
  * block b's integers at b * SDK_Q6K_INTS (SDK_Q8_INTS), its scales at nblk * INTS + b * SCALES */
 #define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins (pairs), d, dmin (fp16) */
 #define SDK_Q6K_INTS (2048 + 1024)               /* low nibbles, high 2 bits */
@@ -33,6 +33,12 @@ enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNN
 #define SDK_Q8_INTS 512  /* q + 128 (bytes) */
 #define SDK_Q8_SCALES 32 /* d (fp16) */
 #define SDK_Q8_REC (SDK_Q8_INTS + SDK_Q8_SCALES)
+/* Q5_0 (32 inputs): Q8_0's order of inputs, 4 vectors of nibble pairs (vector i: inputs 4i..4i+3
+ * low, 4i+16..4i+19 high, as Q4_K's per 32 inputs), then 64 bytes whose byte c * 4 + kk holds in
+ * bit g the fifth bit of input 4g + kk of column c; values 0..31 stand for q + 16 */
+#define SDK_Q5_INTS 320
+#define SDK_Q5_SCALES 32 /* d (fp16) */
+#define SDK_Q5_REC (SDK_Q5_INTS + SDK_Q5_SCALES)
 
 /* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
  * integer sums of 16 codes, xp [rows][kp / 64] the sums of 32 codes two by two as int16 pairs

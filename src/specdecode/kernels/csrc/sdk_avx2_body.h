@@ -159,6 +159,54 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 }
             }
         }
+    } else if (type == SDK_Q5_0) {
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const uint8_t *tile = rec;
+        for (int b = 0; b < nblk; b++, rec += SDK_Q5_INTS) {
+            const uint8_t *scales = tile + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
+            __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit */
+            for (int h = 0; h < 2; h++) {
+                __m256i pl = LD(rec + 256 + h * 32);
+                if (!h) PF(rec + 4 * SDK_Q5_REC + 256);
+                for (int i = 0; i < 4; i++) {
+                    __m256i u = LD(rec + i * 64 + h * 32);
+                    if (!h) PF(rec + 4 * SDK_Q5_REC + i * 64);
+                    __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(pl, 4 - i), bit4);
+                    __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(pl, i), bit4);
+                    v[i * 2 + h] = _mm256_or_si256(_mm256_and_si256(u, low4), b0);
+                    v[(i + 4) * 2 + h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u, 4), low4), b1);
+                }
+            }
+            __m256 d[2];
+            if (!(b & 1)) PF(scales + 8 * SDK_Q5_SCALES);
+            for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 32;
+                const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 2;
+                __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b / 8]);
+                for (int h = 0; h < 2; h++) {
+#ifdef SDK_VNNI256
+                    __m256i s = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) s = dot4(s, v[g * 2 + h], bcast4(x + g * 4));
+#else
+                    /* four int16 pairs summed as int16 (4 x 2 x 31 x 127 = 31496: no overflow) */
+                    const __m256i ones = _mm256_set1_epi16(1);
+                    __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+                    for (int g = 0; g < 4; g++) {
+                        t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(v[g * 2 + h], bcast4(x + g * 4)));
+                        t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(v[(g + 4) * 2 + h], bcast4(x + 16 + g * 4)));
+                    }
+                    __m256i s = _mm256_madd_epi16(t0, ones);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(t1, ones));
+#endif
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * (xs[0] + xs[1])));
+                    if (sdk_fault && b == 0 && r == 0 && h == 0) s = _mm256_add_epi32(s, fault_lane());
+                    __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
+                    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[h], av), y);
+                    _mm256_storeu_ps(acc + r * 16 + h * 8, y);
+                }
+            }
+        }
     } else {
         const __m256i bias = _mm256_set1_epi8((char)0x80);
         const uint8_t *tile = rec;

@@ -23,6 +23,9 @@
 #ifndef SDK_PF_Q8
 #define SDK_PF_Q8 (4 * SDK_Q8_REC)
 #endif
+#ifndef SDK_PF_Q5
+#define SDK_PF_Q5 (4 * SDK_Q5_REC)
+#endif
 #define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 #define UNROLL(n) _Pragma("GCC unroll 8")
@@ -178,6 +181,39 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     }
 }
 
+/* Q5_0: the nibbles as Q4_K's, the fifth bit moved from bit g of the plane's byte to bit 4 */
+static inline __attribute__((always_inline)) void q5_block(const int R, const uint8_t *tile, int nblk,
+                                                           const sdk_act *a, int m, int b, float *acc) {
+    const uint8_t *rec = tile + (size_t)b * SDK_Q5_INTS;
+    const int kp = a->kp, n16 = kp / 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    __m512i w[8], s[ROWS][2];
+    const __m512i h = _mm512_loadu_si512(rec + 256);
+    PF(rec + SDK_PF_Q5 + 256);
+    UNROLL(4) for (int i = 0; i < 4; i++) {
+        __m512i v = _mm512_loadu_si512(rec + i * 64);
+        PF(rec + SDK_PF_Q5 + i * 64);
+        /* bit i (bit i + 4) of each plane byte to bit 4: 16-bit shifts that stay inside the byte */
+        __m512i hi = _mm512_slli_epi16(h, 4 - i);
+        __m512i hj = i == 0 ? h : _mm512_srli_epi16(h, i);
+        w[i] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(hi, bit4), low4, 0xEC);
+        w[i + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(hj, bit4), low4, 0xEC);
+    }
+    UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+    UNROLL(8) for (int g = 0; g < 8; g++)
+        UNROLL(8) for (int r = 0; r < R; r++)
+            s[r][g & 1] = dpb(s[r][g & 1], w[g], a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
+    const uint8_t *scales = tile + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
+    if (!(b & 1)) PF(scales + 8 * SDK_Q5_SCALES);
+    __m512 d = h2f16(scales);
+    UNROLL(8) for (int r = 0; r < R; r++) {
+        const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
+        __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(16 * (xs[0] + xs[1])));
+        if (sdk_fault && b == 0 && m + r == 0) u = _mm512_add_epi32(u, fault_lane());
+        store_row(acc + r * 16, u, d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b / 8]);
+    }
+}
+
 /* rows in groups: of 4 while more than 6 are left, then the rest as one group (a verification
  * of 5 or 6 rows decodes each block once) */
 #define GROUPS(fn)                                                                                   \
@@ -203,6 +239,8 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
         GROUPS(q4k_block)
     } else if (type == SDK_Q6K) {
         GROUPS(q6k_block)
+    } else if (type == SDK_Q5_0) {
+        GROUPS(q5_block)
     } else {
         GROUPS(q8_block)
     }

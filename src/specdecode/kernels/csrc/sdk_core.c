@@ -19,7 +19,7 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 
-int sdk_abi_version(void) { return 1; }
+int sdk_abi_version(void) { return 2; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
@@ -81,16 +81,19 @@ static __thread int32_t *t_xs, *t_xp;
 static __thread size_t t_rows_cap, t_kp_cap;
 
 /* y [m, n] = x [m, k] W^T, W packed as `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs;
- * Q8_0: 32). Returns 0, or -1 (bad arguments), -2 (path not runnable), -3 (out of memory). */
+ * Q8_0, Q5_0: 32). Returns 0, or -1 (bad arguments), -2 (path not runnable), -3 (out of memory). */
 int sdk_linear(int type, const uint8_t *w, int n, int nblk, int k, const float *x, int m, float *y, int isa,
                int nthreads) {
-    if (type < SDK_Q4K || type > SDK_Q8_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0) return -1;
-    int blk = type == SDK_Q8_0 ? 32 : SDK_QK;
+    if (type < SDK_Q4K || type > SDK_Q5_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0) return -1;
+    int blk = type == SDK_Q8_0 || type == SDK_Q5_0 ? 32 : SDK_QK;
     if ((long)nblk * blk < k) return -1;
     if (!sdk_isa_runs(isa)) return -2;
     if (m == 0) return 0;
     int kp = ((nblk * blk + SDK_QK - 1) / SDK_QK) * SDK_QK;
-    size_t rec = type == SDK_Q4K ? SDK_Q4K_REC : (type == SDK_Q6K ? SDK_Q6K_REC : SDK_Q8_REC);
+    size_t rec = type == SDK_Q4K   ? SDK_Q4K_REC
+                 : type == SDK_Q6K ? SDK_Q6K_REC
+                 : type == SDK_Q8_0 ? SDK_Q8_REC
+                                    : SDK_Q5_REC;
     if ((size_t)m > t_rows_cap || (size_t)kp > t_kp_cap) {
         size_t rows = (size_t)m > t_rows_cap ? (size_t)m : t_rows_cap;
         size_t cols = (size_t)kp > t_kp_cap ? (size_t)kp : t_kp_cap;

@@ -26,6 +26,13 @@ static int q6(const uint8_t *rec, int c, int k) {
     return (g < 4 ? lo & 15 : lo >> 4) | (((h >> (2 * (g % 4))) & 3) << 4);
 }
 
+/* Q5_0's value 0..31 (q + 16) of column c, input k (0..31) in a block's 320 bytes */
+static int q5(const uint8_t *p, int c, int k) {
+    int g = k / 4, kk = k % 4;
+    uint8_t lo = p[(g % 4) * 64 + c * 4 + kk], h = p[256 + c * 4 + kk];
+    return (g < 4 ? lo & 15 : lo >> 4) | (((h >> g) & 1) << 4);
+}
+
 void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                   uint8_t *scratch) {
     (void)scratch;
@@ -61,6 +68,13 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                     }
                     float d = sdk_h2f(rd16(ps + 256 + 2 * c));
                     y = fmaf((float)isum, d * xa[b], y);
+                } else if (type == SDK_Q5_0) { /* nblk blocks of 32 */
+                    const uint8_t *p = rec + (size_t)b * SDK_Q5_INTS;
+                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
+                    int32_t s = 0;
+                    for (int k = 0; k < 32; k++) s += (q5(p, c, k) - 16) * x[b * 32 + k];
+                    float d = sdk_h2f(rd16(ps + 2 * c));
+                    y = fmaf((float)s, d * xa[b / 8], y);
                 } else { /* SDK_Q8_0: nblk blocks of 32 */
                     const uint8_t *p = rec + (size_t)b * SDK_Q8_INTS;
                     const uint8_t *ps = rec + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
