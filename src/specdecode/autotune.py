@@ -68,9 +68,12 @@ class Shapes:
     inter: int
     layers: int
     vocab: int
+    # the kq blocks of a matrix whose width is no multiple of 256: a GGUF's own (Q5_0 in
+    # llama.cpp's k-quant mixes), else float weights rounded to Q8_0
+    narrow: str = "q8_0"
 
     @staticmethod
-    def of(config) -> Shapes:
+    def of(config, narrow: str = "q8_0") -> Shapes:
         c = config
         return Shapes(
             c.hidden_size,
@@ -79,6 +82,7 @@ class Shapes:
             c.intermediate_size,
             c.num_layers,
             c.vocab_size,
+            narrow,
         )
 
     def layer_matrices(self) -> list[tuple[int, int]]:
@@ -217,7 +221,9 @@ def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen)
             from .models.kernel_linear import KernelLinear, random_blocks
 
             made.append(
-                KernelLinear(random_blocks(out, inp, int(torch.randint(1 << 30, (1,), generator=gen))))
+                KernelLinear(
+                    random_blocks(out, inp, int(torch.randint(1 << 30, (1,), generator=gen)), shapes.narrow)
+                )
             )
             continue
         bits, group = QUANT_KINDS[spec.quant]

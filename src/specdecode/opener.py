@@ -72,7 +72,14 @@ def _lean_shapes(name: str, backend: str) -> Shapes | None:
         return None
     if cfg.linear_layers:  # hybrid layers: quantized linear attention is not measured
         return None
-    return Shapes.of(cfg)
+    from .models import gguf_source
+    from .models.gguf_quant import narrow_kind
+
+    try:
+        gguf = gguf_source(name)
+    except SpecDecodeError:
+        gguf = None
+    return Shapes.of(cfg, narrow_kind(gguf) if gguf is not None else "q8_0")
 
 
 def _kernel_of(fmt: str) -> str:

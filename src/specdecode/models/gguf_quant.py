@@ -19,6 +19,7 @@ for bit: the very weights llama.cpp reads. Any other type (F16, Q4_1,
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -171,3 +172,38 @@ def read_qweights(path: str | Path, fmt: str) -> tuple[GGUFQWeights, str]:
     """(the file's matrices as QWeights (kq: BlockWeights) by our names, the format the rest are
     quantized to)."""
     return GGUFQWeights(path, fmt), ("kq" if fmt == "kq" else FALLBACK)
+
+
+@functools.lru_cache(maxsize=8)
+def narrow_kind(path: str | Path) -> str:
+    """The kq blocks a file's matrices of widths that are no multiple of 256 load as: q5_0 when
+    most of them are Q5_0 in the file (llama.cpp's k-quant mixes), else q8_0 (for the autotuner,
+    which times random blocks of the kinds a load gives). Reading a file's tensor list takes
+    seconds (its vocabulary is parsed too), so the answer is kept in the cache by path, size and
+    modification time."""
+    import json
+
+    from ..paths import cache_dir
+
+    p = Path(path).resolve()
+    st = p.stat()
+    key = f"{p}:{st.st_size}:{st.st_mtime_ns}"
+    memo = cache_dir() / "gguf-files" / "narrow.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    gguf = _require_gguf()
+    kinds: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(p)).tensors:
+        if len(t.shape) == 2 and int(t.shape[0]) % 256:
+            kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
+    kind = "q5_0" if kinds and max(kinds, key=kinds.get) == "Q5_0" else "q8_0"
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps({**known, key: kind}, indent=1))
+    except OSError:
+        pass  # measured again next time
+    return kind

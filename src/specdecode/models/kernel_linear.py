@@ -24,14 +24,19 @@ def to_blocks(weight: torch.Tensor) -> BlockWeight:
     return quantize_q4_k(w) if w.shape[1] % 256 == 0 else quantize_q8_0(w)
 
 
-def random_blocks(out: int, inp: int, seed: int) -> BlockWeight:
+def random_blocks(out: int, inp: int, seed: int, narrow: str = "q8_0") -> BlockWeight:
     """Random blocks of the format a load gives an [out, inp] weight (Q4_K when inp is a multiple
-    of 256, else Q8_0), with small finite scales: for timing (autotune) without quantizing."""
+    of 256, else `narrow`: Q8_0 or a GGUF's Q5_0), with small finite scales: for timing
+    (autotune) without quantizing."""
     rng = np.random.default_rng(seed)
     if inp % 256 == 0:
         raw = rng.integers(0, 256, (out, inp // 256, 144), dtype=np.uint8)
         raw[..., 0:4] = np.array([1e-3, 1e-3], np.float16).view(np.uint8)
         return BlockWeight("q4_k", raw.reshape(out, -1), inp)
+    if narrow == "q5_0":
+        raw = rng.integers(0, 256, (out, -(-inp // 32), 22), dtype=np.uint8)
+        raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+        return BlockWeight("q5_0", raw.reshape(out, -1), inp)
     raw = rng.integers(0, 256, (out, -(-inp // 32), 34), dtype=np.uint8)
     raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
     return BlockWeight("q8_0", raw.reshape(out, -1), inp)
