@@ -285,6 +285,71 @@ def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kq_pair):
         assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
 
 
+def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(kq_pair):
+    """A kq model attends in the kernel (KernelAttention): greedy speculation with a draft tree,
+    a batch of rows of different lengths and a row admitted mid-run all give target-only's
+    tokens alone, as the batch-invariant forward promises."""
+    from specdecode.models.invariant import KernelAttention
+
+    target, draft = kq_pair
+    assert target.kernel_attention
+    seen = []
+    real = KernelAttention.__call__
+    try:
+        KernelAttention.__call__ = lambda self, *a: seen.append(1) or real(self, *a)
+        params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+        prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]]
+        base = SpeculativeGenerator(target, batch_invariant=True)
+        want = [base.generate([p], params)[0].token_ids for p in prompts]
+        for kw in ({"k": 3}, {"tree": "3,2,1"}):
+            gen = SpeculativeGenerator(target, draft=draft, method="draft", batch_invariant=True, **kw)
+            assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
+            run = gen.stream(prompts[:2], params)
+            for _ in range(3):
+                next(run)
+            run.add(prompts[3], params)
+            assert [r.token_ids for r in run.results()] == [want[0], want[1], want[3]], kw
+    finally:
+        KernelAttention.__call__ = real
+    assert seen  # the kernel's attention ran
+
+
+def test_the_kernel_attention_of_a_query_is_the_same_alone_and_among_others():
+    """kernels.attention: a query's output does not depend on the other queries of the call or
+    the thread count, and equals softmax(q k^T / sqrt(D)) v over its slots."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, Hkv, D, S = 2, 5, 6, 2, 40, 130
+    q = torch.randn(B, T, H, D, generator=g)
+    keys = torch.randn(B, Hkv, 192, D, generator=g)
+    values = torch.randn(3, B, Hkv, 64, D, generator=g)
+    idx = torch.stack([torch.randperm(S, generator=g) for _ in range(B * T)]).view(B, T, S)
+    n = torch.randint(1, S + 1, (B, T), generator=g)
+    n[0, 0] = 0  # a query that sees nothing: zeros
+    out = kernels.attention(q, keys, values, idx, n, D**-0.5, threads=2)
+    for b in range(B):
+        for t in range(T):
+            one = kernels.attention(
+                q[b : b + 1, t : t + 1],
+                keys[b : b + 1],
+                values[:, b : b + 1],
+                idx[b : b + 1, t : t + 1],
+                n[b : b + 1, t : t + 1],
+                D**-0.5,
+                threads=1,
+            )
+            assert torch.equal(one[0, 0], out[b, t])
+            m = int(n[b, t])
+            if m == 0:
+                assert not out[b, t].any()
+                continue
+            sl = idx[b, t, :m]
+            v = values[:, b].permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, sl]  # [Hkv, m, D]
+            k = keys[b][:, sl]
+            qq = q[b, t].view(Hkv, H // Hkv, D)
+            ref = torch.softmax(qq.double() @ k.double().transpose(1, 2) / D**0.5, -1) @ v.double()
+            assert torch.allclose(out[b, t].view(Hkv, H // Hkv, D).double(), ref, atol=1e-5)
+
+
 def test_a_prefill_writes_the_keys_and_values_one_token_steps_write(kq_pair):
     target, _ = kq_pair
     seq = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -39,6 +39,7 @@ __all__ = [
     "linear",
     "quantize_q4_k",
     "quantize_q8_0",
+    "attention",
     "build_id",
     "runnable_isas",
     "selfcheck",
@@ -77,6 +78,9 @@ def _lib() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     lib.sdk_linear.restype = ctypes.c_int
+    i, L, P, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
+    lib.sdk_attention.argtypes = [P, L, L, P, L, L, L, P, L, L, L, P, P, i, i, i, i, i, i, f, P, i]
+    lib.sdk_attention.restype = ctypes.c_int
     return lib
 
 
@@ -144,6 +148,43 @@ def linear(
         raise SpecDecodeError(f"input width {x.shape[-1]} does not match the weight's {w.in_features}")
     i = ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa())
     return _call(lib, x, w, i, threads or torch.get_num_threads())
+
+
+def attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    idx: torch.Tensor,
+    n: torch.Tensor,
+    scale: float,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Each query's attention over the slots it sees, in logical order, computed on its own
+    (csrc/sdk_attn.c: a query's bits depend on nothing else in the call). q [B, T, H, D] float32
+    (head dimension contiguous); keys [B, Hkv, slots, D]; values chunk-major [chunks, B, Hkv, 64,
+    D]; idx [B, T, N] int32 slots in logical order, n [B, T] int32 how many -> [B, T, H, D]."""
+    lib = _lib()
+    if lib is None:
+        raise SpecDecodeError("the kernel's attention is not built here (no C compiler?)")
+    B, T, H, D = q.shape
+    Hkv = keys.shape[1]
+    for name, t in (("q", q), ("keys", keys), ("values", values)):
+        if t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise SpecDecodeError(f"attention: {name} must be float32 with a contiguous last axis")
+    if values.stride(-2) != D or values.shape[-2] != 64:
+        raise SpecDecodeError("attention: values must be chunk-major [chunks, B, Hkv, 64, D]")
+    idx, n = idx.to(torch.int32).contiguous(), n.to(torch.int32).contiguous()
+    out = torch.empty(B, T, H, D)
+    rc = lib.sdk_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        keys.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.data_ptr(), values.stride(0), values.stride(1), values.stride(2),
+        idx.data_ptr(), n.data_ptr(), B, T, H, Hkv, D, idx.shape[-1], scale, out.data_ptr(),
+        threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise SpecDecodeError(f"the kernel's attention refused its inputs ({rc})")
+    return out
 
 
 def set_fault(on: bool) -> None:

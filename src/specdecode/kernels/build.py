@@ -28,11 +28,12 @@ BASE_FLAGS = ["-O3", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-math-errn
 UNITS = {
     "sdk_core.c": ["-fopenmp"],
     "sdk_ref.c": [],
+    "sdk_attn.c": ["-fopenmp"],
     "sdk_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "sdk_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "sdk_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
 }
-REQUIRED = ("sdk_core.c", "sdk_ref.c")
+REQUIRED = ("sdk_core.c", "sdk_ref.c", "sdk_attn.c")
 LIB = "libspecdecode_kernel.so"
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..errors import SpecDecodeError
 from .base import ForwardMeta
 from .cache import KEY_CHUNK, chunked, write_chunked
-from .invariant import InvariantAttention
+from .invariant import InvariantAttention, KernelAttention
 
 
 class PlannedModel(Protocol):
@@ -155,7 +155,8 @@ def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: Forward
     attention = None
     if inv and allowed is not None:
         tree = {} if tree_mask is None else _tree_order(tree_mask, cache.lengths, positions, S)
-        attention = InvariantAttention(allowed, B, c.num_kv_heads, G, D, model.dtype, **tree)
+        kind = KernelAttention if getattr(model, "kernel_attention", False) else InvariantAttention
+        attention = kind(allowed, B, c.num_kv_heads, G, D, model.dtype, **tree)
     parents = None
     if tree_mask is not None and c.linear_layers:
         from .linear_attention import tree_parents

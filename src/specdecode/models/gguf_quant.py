@@ -119,8 +119,11 @@ class GGUFQWeights(Mapping):
             return BlockWeight(kind.lower(), raw, cols)
         if kind not in self.rounded:
             self.rounded.add(kind)
-            print(f"specdecode: {self.path.name}: its {kind} matrices have no kernel of their own; "
-                  "rounded to Q8_0 (8 bits per 32)", file=sys.stderr)
+            print(
+                f"specdecode: {self.path.name}: its {kind} matrices have no kernel of their own; "
+                "rounded to Q8_0 (8 bits per 32)",
+                file=sys.stderr,
+            )
         gguf = _require_gguf()
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
         return quantize_q8_0(np.asarray(w, dtype=np.float32))

@@ -263,3 +263,47 @@ class InvariantAttention:
         vt = vt.view(B, T, nb, C, Hkv, D).permute(2, 0, 4, 1, 3, 5).reshape(nb * BH * T, C, D)
         out = torch.bmm(pt, vt).view(nb, BH, T, Gp, D)[:, :, :, :G].reshape(nb, BH, M, D)
         return F.pad(out, (0, 0, 0, M0 - M))
+
+
+class KernelAttention:
+    """The batch-invariant attention of a model on specdecode's kernel (kq): each query over the
+    slots it sees, in logical order, in one C call per layer (kernels.attention), instead of
+    InvariantAttention's chunked GEMMs. A query's bits depend only on its own query, keys and
+    values, so the row count, the batch and the threads change nothing; a tree's node sees its
+    ancestors' slots in logical order, the same values a chain would show it. Every forward of a
+    kq model takes this attention (never InvariantAttention), so decode, verification, prefill
+    and trees agree bit for bit. Same constructor and call as InvariantAttention."""
+
+    def __init__(
+        self,
+        allowed: torch.Tensor,
+        batch: int,
+        kv_heads: int,
+        group: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        order: torch.Tensor | None = None,
+        logical_allowed: torch.Tensor | None = None,
+        shared_chunks: int = 0,
+    ) -> None:
+        del kv_heads, group, shared_chunks
+        B, T = batch, allowed.shape[1]
+        if order is None:
+            # the slots a token sees, in slot order: the allowed ones first (stable sort)
+            S = allowed.shape[2]
+            ar = torch.arange(S, device=allowed.device)
+            seen = allowed.expand(B, T, S)
+            self.idx = torch.sort(torch.where(seen, ar, ar + S), dim=-1, stable=True).indices.to(torch.int32)
+            self.n = seen.sum(-1).to(torch.int32)
+        else:  # a tree: each node's slot of every logical position, the seen ones a prefix
+            self.idx = order.to(torch.int32).contiguous()
+            self.n = logical_allowed.sum(-1).to(torch.int32)
+        self.scale = head_dim**-0.5
+        self.dtype = dtype
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        from ..kernels import attention
+
+        B, T, H, D = q.shape
+        out = attention(q.float(), keys, values, self.idx, self.n, self.scale)
+        return out.view(B * T, H * D).to(self.dtype)

@@ -364,6 +364,16 @@ class LlamaModel:
     lean = True  # our runtime: token trees, offsets, early exit, fused inputs, aux layers
 
     @property
+    def kernel_attention(self) -> bool:
+        """The batch-invariant forward's attention runs in specdecode's kernel (models on the
+        kq format; models/invariant.py KernelAttention): one C call a layer."""
+        if self.quant != "kq" or self.cfg.linear_layers:
+            return False
+        from ..kernels import available
+
+        return available()
+
+    @property
     def supports_invariant(self) -> bool:
         """A batch-invariant forward exists (not for linear-attention layers)."""
         return not self.cfg.linear_layers
