@@ -325,7 +325,9 @@ def test_the_kernel_attention_of_a_query_is_the_same_alone_and_among_others():
     idx = torch.stack([torch.randperm(S, generator=g) for _ in range(B * T)]).view(B, T, S)
     n = torch.randint(1, S + 1, (B, T), generator=g)
     n[0, 0] = 0  # a query that sees nothing: zeros
-    out = kernels.attention(q, keys, values, idx, n, D**-0.5, threads=2)
+    out = kernels.attention(q, keys, values, idx, n, D**-0.5, threads=2, isa="ref")
+    for isa in kernels.runnable_isas():  # every build of the attention: the same bits
+        assert torch.equal(kernels.attention(q, keys, values, idx, n, D**-0.5, isa=isa), out), isa
     for b in range(B):
         for t in range(T):
             one = kernels.attention(

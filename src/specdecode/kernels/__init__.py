@@ -79,7 +79,7 @@ def _lib() -> ctypes.CDLL | None:
     ]
     lib.sdk_linear.restype = ctypes.c_int
     i, L, P, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
-    lib.sdk_attention.argtypes = [P, L, L, P, L, L, L, P, L, L, L, P, P, i, i, i, i, i, i, f, P, i]
+    lib.sdk_attention.argtypes = [P, L, L, P, L, L, L, P, L, L, L, P, P, i, i, i, i, i, i, f, P, i, i]
     lib.sdk_attention.restype = ctypes.c_int
     return lib
 
@@ -158,11 +158,13 @@ def attention(
     n: torch.Tensor,
     scale: float,
     threads: int | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """Each query's attention over the slots it sees, in logical order, computed on its own
     (csrc/sdk_attn.c: a query's bits depend on nothing else in the call). q [B, T, H, D] float32
     (head dimension contiguous); keys [B, Hkv, slots, D]; values chunk-major [chunks, B, Hkv, 64,
-    D]; idx [B, T, N] int32 slots in logical order, n [B, T] int32 how many -> [B, T, H, D]."""
+    D]; idx [B, T, N] int32 slots in logical order, n [B, T] int32 how many -> [B, T, H, D].
+    Every path gives the same bits (csrc/sdk_attn_body.h); `isa` forces one."""
     lib = _lib()
     if lib is None:
         raise SpecDecodeError("the kernel's attention is not built here (no C compiler?)")
@@ -181,6 +183,7 @@ def attention(
         values.data_ptr(), values.stride(0), values.stride(1), values.stride(2),
         idx.data_ptr(), n.data_ptr(), B, T, H, Hkv, D, idx.shape[-1], scale, out.data_ptr(),
         threads or torch.get_num_threads(),
+        ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa()),
     )  # fmt: skip
     if rc != 0:
         raise SpecDecodeError(f"the kernel's attention refused its inputs ({rc})")
@@ -250,7 +253,23 @@ def _checked(isa: str) -> bool:
             for threads in (1, 2):
                 if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
                     return False
+    for args in _attention_cases(gen):  # the attention's build for this path: the base build's bits
+        if not torch.equal(attention(*args, threads=2, isa=isa), attention(*args, threads=1, isa="ref")):
+            return False
     return True
+
+
+def _attention_cases(gen: np.random.Generator):
+    """(q, keys, values, idx, n, scale) for the attention's self-check: head sizes with and without
+    a tail past 16 lanes, slots in random logical order, values over decades."""
+    for D, H, Hkv in ((64, 4, 2), (40, 6, 2), (8, 2, 1)):
+        B, T, S = 2, 3, 150
+        r = lambda *s: torch.from_numpy(gen.standard_normal(s).astype(np.float32))  # noqa: E731
+        q, keys = r(B, T, H, D) * 3, r(B, Hkv, 192, D)
+        values = r(3, B, Hkv, 64, D) * torch.from_numpy(np.logspace(-3, 2, D).astype(np.float32))
+        idx = torch.from_numpy(np.stack([gen.permutation(S) for _ in range(B * T)]).reshape(B, T, S))
+        n = torch.from_numpy(gen.integers(0, S + 1, (B, T)))
+        yield q, keys, values, idx, n, D**-0.5
 
 
 def selfcheck(isa: str) -> bool:

@@ -1,0 +1,3 @@
+/* sdk_attn_body.h built with AVX-512 (the same bits as sdk_attn.c's build). */
+#define ATTN(x) attn_avx512_##x
+#include "sdk_attn_body.h"

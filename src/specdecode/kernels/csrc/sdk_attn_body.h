@@ -1,0 +1,125 @@
+/* The attention of sdk_attn.c, compiled once per instruction set (sdk_attn.c: no ISA flags;
+ * sdk_attn_avx2.c, sdk_attn_avx512.c) under the name ATTN(x). Only vertical (lane by lane)
+ * float operations and an explicit reduction tree: every build gives the same bits. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef CHUNK
+#define CHUNK 64
+#define LANES 16
+#endif
+
+static inline float ATTN(dot)(const float *a, const float *b, int d) {
+    /* two sets of 16 partial sums (blocks of 16 alternate between them: two dependency chains),
+     * added lane by lane, then reduced in a fixed tree */
+    float acc[LANES] = {0}, acc2[LANES] = {0};
+    int i = 0;
+    for (; i + 2 * LANES <= d; i += 2 * LANES) {
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+        for (int j = 0; j < LANES; j++) acc2[j] += a[i + LANES + j] * b[i + LANES + j];
+    }
+    for (int j = 0; i + j < d; j++) acc[j % LANES] += a[i + j] * b[i + j];
+    for (int j = 0; j < LANES; j++) acc[j] += acc2[j];
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) acc[j] += acc[j + s];
+    return acc[0];
+}
+
+/* x[p] = exp(x[p]) for x <= 0 (a softmax's x - max), in place: 2^r * e^(f ln 2) with r the
+ * nearest integer (the 1.5 * 2^23 trick) and a degree-7 Taylor polynomial (relative error below
+ * 1e-8 on |f ln 2| <= 0.35); x below -87 gives 2^-126. Lane by lane float and integer
+ * operations only, so it vectorizes and every build gives the same bits (libm's expf did
+ * neither: a scalar call per score). */
+static inline void ATTN(exp_inplace)(float *restrict x, int n) {
+    for (int p = 0; p < n; p++) {
+        float t = x[p] * 1.44269504088896341f;
+        t = t < -126.0f ? -126.0f : t;
+        float r = (t + 12582912.0f) - 12582912.0f;
+        float g = (t - r) * 0.693147180559945309f;
+        float y = 1.0f / 5040.0f;
+        y = y * g + 1.0f / 720.0f;
+        y = y * g + 1.0f / 120.0f;
+        y = y * g + 1.0f / 24.0f;
+        y = y * g + 1.0f / 6.0f;
+        y = y * g + 0.5f;
+        y = y * g + 1.0f;
+        y = y * g + 1.0f;
+        int32_t bits;
+        memcpy(&bits, &y, 4);
+        bits += (int32_t)r * (1 << 23);
+        memcpy(&x[p], &bits, 4);
+    }
+}
+
+/* one (row b, token t, kv head h) task: its G query heads (contiguous in q). w: G * n floats.
+ * Per query head the order of operations is fixed: its scores key by key, its max, its
+ * exponentials and their sum in logical order, then its output lane by lane over the keys in
+ * logical order; the heads are only interleaved (independent chains for the CPU to overlap). */
+static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long kb, long kh, long ks,
+                       const float *values, long vc, long vb, long vh, const int32_t *idx, int n, int b, int t,
+                       int h, int G, int H, int D, int T, float scale, float *restrict out, float *restrict w) {
+    const float *kbase = keys + b * kb + h * kh;
+    const float *vbase = values + b * vb + h * vh;
+    const float *qh = q + b * qb + t * qt + (long)h * G * D;
+    float sums[G];
+    for (int p = 0; p < n; p++) {
+        const float *k = kbase + (long)idx[p] * ks;
+        for (int g = 0; g < G; g++) w[(long)g * n + p] = ATTN(dot)(qh + (long)g * D, k, D) * scale;
+    }
+    for (int g = 0; g < G; g++) {
+        float *wg = w + (long)g * n, m = -INFINITY, sum = 0.0f;
+        for (int p = 0; p < n; p++) m = wg[p] > m ? wg[p] : m;
+        for (int p = 0; p < n; p++) wg[p] -= m;
+        ATTN(exp_inplace)(wg, n);
+        for (int p = 0; p < n; p++) sum += wg[p];
+        sums[g] = sum;
+    }
+    float *restrict o = out + (((long)b * T + t) * H + (long)h * G) * D;
+    memset(o, 0, sizeof(float) * (size_t)G * D);
+    for (int p = 0; p < n; p++) {
+        int s = idx[p];
+        const float *restrict v = vbase + (long)(s / CHUNK) * vc + (long)(s % CHUNK) * D;
+        for (int g = 0; g < G; g++) {
+            const float wp = w[(long)g * n + p];
+            float *restrict og = o + (long)g * D;
+            for (int d = 0; d < D; d++) og[d] += wp * v[d];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / sums[g];
+        for (int d = 0; d < D; d++) o[(long)g * D + d] *= inv;
+    }
+}
+
+int ATTN(run)(const float *q, long qb, long qt, const float *keys, long kb, long kh, long ks,
+                  const float *values, long vc, long vb, long vh, const int32_t *idx, const int32_t *n, int B,
+                  int T, int H, int Hkv, int D, int N, float scale, float *out, int nthreads) {
+    if (B <= 0 || T <= 0 || Hkv <= 0 || H % Hkv || D <= 0 || N <= 0) return -1;
+    const int G = H / Hkv, tasks = B * T * Hkv;
+    int failed = 0;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > tasks) nthreads = tasks;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *w = malloc(sizeof(float) * (size_t)G * (size_t)N);
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < tasks; task++) {
+            if (!w) continue;
+            int h = task % Hkv, bt = task / Hkv, b = bt / T, t = bt % T, cnt = n[bt];
+            if (cnt <= 0) {
+                memset(out + ((long)bt * H + h * G) * D, 0, sizeof(float) * (size_t)G * D);
+                continue;
+            }
+            ATTN(task)(q, qb, qt, keys, kb, kh, ks, values, vc, vb, vh, idx + (long)bt * N, cnt < N ? cnt : N,
+                        b, t, h, G, H, D, T, scale, out, w);
+        }
+        free(w);
+    }
+    return failed ? -3 : 0;
+}
