@@ -69,6 +69,98 @@ def test_every_path_gives_the_scalar_references_bits(isa, shape):
                 assert torch.equal(got, want[:m]), (w.kind, m, threads)
 
 
+@pytest.mark.parametrize("pre", ["rms_norm", "swiglu"])
+def test_a_fused_pre_pass_bias_and_residual_give_one_set_of_bits_on_every_path(pre):
+    """kernels.linear with the input's RMSNorm or SwiGLU done in C and bias and residual added in
+    the epilogue: every path (forced) equals the reference bit for bit, at any row count and
+    place, and the result is the plain product of torch's norm or SwiGLU of the rows (the
+    pre-pass's float code differs from torch's by rounding only; quantization can move a code
+    by one)."""
+    rng = np.random.default_rng(5)
+    n, k = 40, 520
+    width = 2 * k if pre == "swiglu" else k
+    x = rows(rng, 64, width) if pre == "rms_norm" else torch.from_numpy(rng.standard_normal((64, width)).astype(np.float32) * 3)
+    x[2, :k] = -200.0  # SwiGLU: exp(-200) underflows and nothing overflows
+    wn = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    res = torch.from_numpy(rng.standard_normal((64, n)).astype(np.float32))
+    eps = k * 1e-6
+    kw = dict(pre=pre, pre_weight=wn if pre == "rms_norm" else None, eps=eps)
+    for w in weights(rng, n, k):
+        packed = PackedWeight(w)
+        want = kernels.linear(x, packed, isa="ref", threads=1, bias=bias, residual=res, **kw)
+        for isa in kernels.runnable_isas():
+            for m in (1, 3, 8, 64):
+                got = kernels.linear(x[64 - m :], packed, isa=isa, threads=2, bias=bias, residual=res[64 - m :], **kw)
+                assert torch.equal(got, want[64 - m :]), (w.kind, isa, m)
+        xd = x.double()
+        if pre == "rms_norm":
+            h = xd * wn.double() / (xd.square().sum(-1, keepdim=True) + eps).sqrt()
+        else:
+            h = torch.nn.functional.silu(xd[:, :k]) * xd[:, k:]
+        plain = kernels.linear(h.float(), packed, isa="ref", threads=1).double() + bias.double() + res.double()
+        scale = (h.abs().amax(-1, keepdim=True) * torch.from_numpy(w.dequantize()).abs().sum(-1).double()) / 127
+        assert ((want.double() - plain).abs() <= 2 * scale + 1e-4).all(), w.kind
+
+
+def test_a_fused_swiglu_that_drops_the_silu_is_caught():
+    """The comparison above is no formality: silu(g) * u replaced by g * u fails it."""
+    rng = np.random.default_rng(6)
+    k = 256
+    x = torch.from_numpy(rng.standard_normal((4, 2 * k)).astype(np.float32) * 3)
+    packed = PackedWeight(quantize_q4_k(rng.standard_normal((16, k)).astype(np.float32)))
+    got = kernels.linear(x, packed, pre="swiglu")
+    wrong = kernels.linear(x[:, :k] * x[:, k:], packed)
+    right = kernels.linear(torch.nn.functional.silu(x[:, :k]) * x[:, k:], packed)
+    assert (got - right).abs().max() < 0.05 * (got - wrong).abs().max()
+
+
+def test_rope_attention_rotates_writes_and_attends_as_the_torch_layers_do():
+    """kernels.rope_attention: RoPE on q and k as the runtime's torch layer computes it (x * cos
+    + roll(x, D / 2) * sin), the rotated key and the value written at each token's slot of the
+    float32 chunk-major cache, then kernels.attention over the rotated queries; every path the
+    same bits; a slot outside the cache is refused."""
+    from specdecode.models.rope import RopeTables
+
+    g = torch.Generator().manual_seed(9)
+    B, T, H, Hkv, D, cap = 2, 3, 4, 2, 40, 192
+    rope = RopeTables(10000.0, D, torch.float32, torch.device("cpu"))
+    rope.grow(cap)
+    slots = torch.tensor([[70, 71, 72], [5, 9, 6]], dtype=torch.int32)
+    cos, sin = rope.cos[slots.long()].unsqueeze(2), rope.sin[slots.long()].unsqueeze(2)
+    qkv = torch.randn(B * T, (H + 2 * Hkv) * D, generator=g) * 2
+    keys0 = torch.randn(B, Hkv, cap, D, generator=g)
+    values0 = torch.randn(cap // 64, B, Hkv, 64, D, generator=g)
+    S = 80
+    idx = torch.stack([torch.randperm(S, generator=g) for _ in range(B * T)]).view(B, T, S)
+    idx[:, :, 0] = slots  # each token sees its own new key first
+    n = torch.randint(1, S + 1, (B, T), generator=g)
+    outs = {}
+    for isa in kernels.runnable_isas():
+        keys, values = keys0.clone(), values0.clone()
+        out = kernels.rope_attention(qkv, (B, T, H, Hkv, D), cos, sin, keys, values, slots, idx, n, D**-0.5, isa=isa)
+        outs[isa] = (out, keys, values)
+    ref_out, ref_keys, ref_values = outs["ref"]
+    for isa, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outs["ref"])), isa
+    x = qkv.view(B, T, H + 2 * Hkv, D)
+    qk = x[:, :, : H + Hkv] * cos + x[:, :, : H + Hkv].roll(D // 2, -1) * sin
+    keys, values = keys0.clone(), values0.clone()
+    for b in range(B):
+        for t in range(T):
+            s = int(slots[b, t])
+            keys[b, :, s] = qk[b, t, H:]
+            values[s // 64, b, :, s % 64] = x[b, t, H + Hkv :]
+    assert torch.allclose(ref_keys, keys, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ref_values, values)
+    want = kernels.attention(qk[:, :, :H].contiguous(), ref_keys, ref_values, idx, n, D**-0.5)
+    assert torch.allclose(ref_out, want.view(B * T, H * D), atol=1e-5)
+    bad = slots.clone()
+    bad[1, 2] = cap
+    with pytest.raises(SpecDecodeError, match="refused"):
+        kernels.rope_attention(qkv, (B, T, H, Hkv, D), cos, sin, keys0.clone(), values0.clone(), bad, idx, n, 1.0)
+
+
 def quantized_rows(x: np.ndarray, kp: int) -> np.ndarray:
     """The rows as the kernel sees them: per 256 inputs, codes rint(x * (127 / max|x|)) in
     float32 (round half to even) times the scale max|x| / 127, exactly, in float64."""
@@ -188,7 +280,8 @@ def test_a_corrupt_build_is_rebuilt_with_one_line(tmp_path):
 
 def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     """The kernel's sources and a harness (tests/csrc/kernel_asan.c) built with -fsanitize=address:
-    odd shapes, every format and path, buffers of their exact size."""
+    odd shapes, every format and path, the fused pre-passes, bias and residual, RoPE + cache
+    write + attention, buffers of their exact size."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -230,14 +323,14 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
         for n, k in ((1, 32), (17, 300), (33, 520), (5, 256), (16, 1040)):
             for w in weights(rng, n, k):
                 packed = PackedWeight(w)
-                for m in (1, 3, 7, 65):
+                for m, pre in ((1, 0), (3, 1), (7, 2), (65, 0), (65, 2)):  # pre: none, RMSNorm, SwiGLU
                     count += 1
                     tiles = packed.tiles.numpy()
-                    head = [packed.code, n, packed.blocks, k, m, tiles.nbytes]
+                    head = [packed.code, n, packed.blocks, k, m, tiles.nbytes, pre]
                     f.write(
                         np.array(head, np.int32).tobytes()
                         + tiles.tobytes()
-                        + rows(rng, m, k).numpy().tobytes()
+                        + rows(rng, m, 2 * k if pre == 2 else k).numpy().tobytes()
                     )
     run = subprocess.run(
         [str(exe), str(cases)],
@@ -248,6 +341,8 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0
+    compared = int(run.stdout.split(" path runs, ")[1].split()[0])
+    assert compared == len(kernels.runnable_isas())  # RoPE + attention ran on every path
 
 
 # -- a model on the kernel -------------------------------------------------------------------------
@@ -285,33 +380,38 @@ def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kq_pair):
         assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
 
 
-def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(kq_pair):
-    """A kq model attends in the kernel (KernelAttention): greedy speculation with a draft tree,
-    a batch of rows of different lengths and a row admitted mid-run all give target-only's
-    tokens alone, as the batch-invariant forward promises."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "torch-layers"])
+def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(kq_pair, fused, monkeypatch):
+    """A kq model attends in the kernel: greedy speculation with a draft tree, a batch of rows of
+    different lengths and a row admitted mid-run all give target-only's tokens alone, as the
+    batch-invariant forward promises; with the fused layers (norms, RoPE, cache write,
+    attention, SwiGLU and residuals in C) and with the layers in torch around KernelAttention
+    (a kq model in bf16 or with Qwen3's q/k norms takes those)."""
+    import specdecode.kernels as kernels
     from specdecode.models.invariant import KernelAttention
+    from specdecode.models.llama import LlamaModel
 
     target, draft = kq_pair
-    assert target.kernel_attention
+    assert target.kernel_attention and target.fused_layers
+    if not fused:
+        monkeypatch.setattr(LlamaModel, "fused_layers", property(lambda self: False))
     seen = []
-    real = KernelAttention.__call__
-    try:
-        KernelAttention.__call__ = lambda self, *a: seen.append(1) or real(self, *a)
-        params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
-        prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]]
-        base = SpeculativeGenerator(target, batch_invariant=True)
-        want = [base.generate([p], params)[0].token_ids for p in prompts]
-        for kw in ({"k": 3}, {"tree": "3,2,1"}):
-            gen = SpeculativeGenerator(target, draft=draft, method="draft", batch_invariant=True, **kw)
-            assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
-            run = gen.stream(prompts[:2], params)
-            for _ in range(3):
-                next(run)
-            run.add(prompts[3], params)
-            assert [r.token_ids for r in run.results()] == [want[0], want[1], want[3]], kw
-    finally:
-        KernelAttention.__call__ = real
-    assert seen  # the kernel's attention ran
+    real_call, real_fused = KernelAttention.__call__, kernels.rope_attention
+    monkeypatch.setattr(KernelAttention, "__call__", lambda self, *a: seen.append("torch") or real_call(self, *a))
+    monkeypatch.setattr(kernels, "rope_attention", lambda *a: seen.append("fused") or real_fused(*a))
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]]
+    base = SpeculativeGenerator(target, batch_invariant=True)
+    want = [base.generate([p], params)[0].token_ids for p in prompts]
+    for kw in ({"k": 3}, {"tree": "3,2,1"}):
+        gen = SpeculativeGenerator(target, draft=draft, method="draft", batch_invariant=True, **kw)
+        assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
+        run = gen.stream(prompts[:2], params)
+        for _ in range(3):
+            next(run)
+        run.add(prompts[3], params)
+        assert [r.token_ids for r in run.results()] == [want[0], want[1], want[3]], kw
+    assert set(seen) == {"fused" if fused else "torch"}  # the path under test ran, and only it
 
 
 def test_the_kernel_attention_of_a_query_is_the_same_alone_and_among_others():

@@ -1,42 +1,101 @@
 /* A bounds check of the kernel (tests/test_kernels.py builds it with -fsanitize=address): reads
  * cases written by the test (weight tiles and rows in buffers of their exact size), runs every
- * path this CPU runs and compares each to the scalar reference bit for bit. AddressSanitizer
- * aborts on any read or write past a buffer; a mismatch exits 1. */
+ * path this CPU runs and compares each to the scalar reference bit for bit, with the fused
+ * layers' pre-pass (none, RMSNorm, SwiGLU), bias and residual; then RoPE + cache write +
+ * attention on buffers of their exact size. AddressSanitizer aborts on any read or write past a
+ * buffer; a mismatch exits 1. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-int sdk_linear(int type, const uint8_t *w, int n, int nblk, int k, const float *x, int m, float *y, int isa,
-               int nthreads);
+int sdk_linear_ex(int type, const uint8_t *w, int n, int nblk, int k, const float *x, long ldx, int m, float *y,
+                  long ldy, int pre, const float *pre_w, float eps, const float *bias, const float *res, long ldr,
+                  int isa, int nthreads);
+int sdk_rope_attention(const float *qkv, long ldq, const float *cos, const float *sin, long cb, long ct,
+                       float *keys, long kb, long kh, long ks, float *values, long vc, long vb, long vh,
+                       const int32_t *slots, int cap, const int32_t *idx, const int32_t *n, int B, int T, int H,
+                       int Hkv, int D, int N, float scale, float *qbuf, float *out, int nthreads, int isa);
 int sdk_isa_runs(int isa);
+
+static float *filled(size_t count, unsigned seed) {
+    float *p = malloc(sizeof(float) * count);
+    for (size_t i = 0; i < count; i++) {
+        seed = seed * 1103515245u + 12345u;
+        p[i] = (float)((int)(seed >> 16) % 2001 - 1000) / 250.0f;
+    }
+    return p;
+}
+
+static int rope_cases(void) {
+    const int B = 2, T = 3, H = 4, Hkv = 2, D = 18, cap = 128, N = 100;
+    size_t nq = (size_t)B * T * (H + 2 * Hkv) * D, nk = (size_t)B * Hkv * cap * D, nv = (size_t)2 * B * Hkv * 64 * D;
+    float *qkv = filled(nq, 1), *cs = filled((size_t)B * T * D, 2), *sn = filled((size_t)B * T * D, 3);
+    float *k0 = filled(nk, 4), *v0 = filled(nv, 5);
+    int32_t slots[6] = {0, 64, 127, 5, 6, 120}, *idx = malloc(sizeof(int32_t) * B * T * N), cnt[6] = {1, 50, 100, 7, 99, 100};
+    for (int i = 0; i < B * T * N; i++) idx[i] = (i * 37) % cap;
+    float *want = 0, *wk = 0, *wv = 0;
+    int runs = 0;
+    for (int isa = 0; isa < 4; isa++) {
+        if (!sdk_isa_runs(isa)) continue;
+        float *k = malloc(sizeof(float) * nk), *v = malloc(sizeof(float) * nv);
+        float *q = malloc(sizeof(float) * B * T * H * D), *out = malloc(sizeof(float) * B * T * H * D);
+        memcpy(k, k0, sizeof(float) * nk);
+        memcpy(v, v0, sizeof(float) * nv);
+        if (sdk_rope_attention(qkv, (H + 2 * Hkv) * D, cs, sn, (long)T * D, D, k, (long)Hkv * cap * D, (long)cap * D, D,
+                               v, (long)B * Hkv * 64 * D, (long)Hkv * 64 * D, 64L * D, slots, cap, idx, cnt, B, T, H,
+                               Hkv, D, N, 0.25f, q, out, 2, isa) != 0)
+            return -1;
+        if (!want) {
+            want = out; wk = k; wv = v;
+        } else {
+            if (memcmp(out, want, sizeof(float) * B * T * H * D) || memcmp(k, wk, sizeof(float) * nk) ||
+                memcmp(v, wv, sizeof(float) * nv)) {
+                fprintf(stderr, "rope_attention: path %d differs from the reference\n", isa);
+                return -1;
+            }
+            free(out); free(k); free(v);
+        }
+        free(q);
+        runs++;
+    }
+    return runs;
+}
 
 int main(int argc, char **argv) {
     FILE *f = fopen(argv[1], "rb");
     if (!f) return 2;
-    int head[6], cases = 0, paths = 0;
-    while (fread(head, sizeof(int), 6, f) == 6) {
-        int type = head[0], n = head[1], nblk = head[2], k = head[3], m = head[4], wbytes = head[5];
+    int head[7], cases = 0, paths = 0;
+    while (fread(head, sizeof(int), 7, f) == 7) {
+        int type = head[0], n = head[1], nblk = head[2], k = head[3], m = head[4], wbytes = head[5], pre = head[6];
+        int width = pre == 2 ? 2 * k : k;
         uint8_t *w = malloc(wbytes);
-        float *x = malloc(sizeof(float) * (size_t)m * k);
+        float *x = malloc(sizeof(float) * (size_t)m * width);
         float *want = malloc(sizeof(float) * (size_t)m * n), *got = malloc(sizeof(float) * (size_t)m * n);
-        if (fread(w, 1, wbytes, f) != (size_t)wbytes || fread(x, sizeof(float), (size_t)m * k, f) != (size_t)m * k)
+        float *nw = filled((size_t)k, 7), *bias = filled((size_t)n, 8), *res = filled((size_t)m * n, 9);
+        if (fread(w, 1, wbytes, f) != (size_t)wbytes ||
+            fread(x, sizeof(float), (size_t)m * width, f) != (size_t)m * width)
             return 2;
-        if (sdk_linear(type, w, n, nblk, k, x, m, want, 0, 1) != 0) return 3;
+        const float *b = pre ? bias : 0, *r = pre ? res : 0;
+        if (sdk_linear_ex(type, w, n, nblk, k, x, width, m, want, n, pre, nw, 0.5f, b, r, n, 0, 1) != 0) return 3;
         for (int isa = 1; isa < 4; isa++) {
             if (!sdk_isa_runs(isa)) continue;
             for (int threads = 1; threads <= 2; threads++) {
-                if (sdk_linear(type, w, n, nblk, k, x, m, got, isa, threads) != 0) return 3;
+                if (sdk_linear_ex(type, w, n, nblk, k, x, width, m, got, n, pre, nw, 0.5f, b, r, n, isa, threads) != 0)
+                    return 3;
                 if (memcmp(got, want, sizeof(float) * (size_t)m * n) != 0) {
-                    fprintf(stderr, "path %d differs from the reference (type %d, %d x %d, %d rows)\n", isa, type, n, k, m);
+                    fprintf(stderr, "path %d differs from the reference (type %d, %d x %d, %d rows, pre %d)\n", isa,
+                            type, n, k, m, pre);
                     return 1;
                 }
                 paths++;
             }
         }
-        free(w); free(x); free(want); free(got);
+        free(w); free(x); free(want); free(got); free(nw); free(bias); free(res);
         cases++;
     }
-    printf("%d cases, %d path runs\n", cases, paths);
+    int rope = rope_cases();
+    if (rope < 0) return 1;
+    printf("%d cases, %d path runs, %d rope_attention runs\n", cases, paths, rope);
     return 0;
 }

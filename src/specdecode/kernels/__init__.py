@@ -28,7 +28,8 @@ from .build import BuildError, built_library
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 2
+ABI = 3
+PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
     "ISAS",
@@ -37,6 +38,8 @@ __all__ = [
     "available",
     "chosen_isa",
     "linear",
+    "linear_parts",
+    "rope_attention",
     "quantize_q4_k",
     "quantize_q8_0",
     "attention",
@@ -79,6 +82,12 @@ def _lib() -> ctypes.CDLL | None:
     ]
     lib.sdk_linear.restype = ctypes.c_int
     i, L, P, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
+    lib.sdk_quantize.argtypes = [P, L, i, i, i, P, f, i, i]
+    lib.sdk_product.argtypes = [i, P, i, i, i, i, P, L, P, P, L, i, i]
+    lib.sdk_linear_ex.argtypes = [i, P, i, i, i, P, L, i, P, L, i, P, f, P, P, L, i, i]
+    lib.sdk_rope_attention.argtypes = [P, L, P, P, L, L, P, L, L, L, P, L, L, L, P, i, P, P, i, i, i, i, i, i, f, P, P, i, i]
+    for fn in (lib.sdk_quantize, lib.sdk_product, lib.sdk_linear_ex, lib.sdk_rope_attention):
+        fn.restype = ctypes.c_int
     lib.sdk_attention.argtypes = [P, L, L, P, L, L, L, P, L, L, L, P, P, i, i, i, i, i, i, f, P, i, i]
     lib.sdk_attention.restype = ctypes.c_int
     return lib
@@ -136,18 +145,151 @@ def _call(lib, x: torch.Tensor, w: PackedWeight, isa: int, threads: int) -> torc
     return y
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _refused(rc: int, what: str) -> SpecDecodeError:
+    why = {-1: "bad arguments", -2: "path not runnable here", -3: "out of memory"}.get(rc, str(rc))
+    return SpecDecodeError(f"the quantized kernel refused {what} ({why})")
+
+
+def _rows_in(x: torch.Tensor, k: int, pre: str | None, pre_weight: torch.Tensor | None) -> torch.Tensor:
+    """x as float32 rows with a contiguous last axis, checked against the width the pre-pass reads."""
+    if pre not in PRE:
+        raise SpecDecodeError(f"unknown pre-pass {pre!r}; choose rms_norm or swiglu")
+    width = 2 * k if pre == "swiglu" else k
+    if x.shape[-1] != width:
+        raise SpecDecodeError(f"input width {x.shape[-1]} does not match the weight's {width}")
+    if pre == "rms_norm" and (pre_weight is None or pre_weight.shape != (k,) or pre_weight.dtype != torch.float32):
+        raise SpecDecodeError(f"rms_norm needs a float32 weight of {k} values")
+    x = x.detach().reshape(-1, width)
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.to(torch.float32).contiguous()
+    return x
+
+
 def linear(
-    x: torch.Tensor, w: PackedWeight, isa: str | None = None, threads: int | None = None
+    x: torch.Tensor,
+    w: PackedWeight,
+    isa: str | None = None,
+    threads: int | None = None,
+    *,
+    pre: str | None = None,
+    pre_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, in] float -> x W^T [M, out] float32, on the chosen path (or `isa`), split over
-    torch's thread count (or `threads`) by output tiles."""
+    torch's thread count (or `threads`) by output tiles. pre: the input row's pre-pass in C before
+    it is quantized: "rms_norm" (x * pre_weight / sqrt(sum x^2 + eps)) or "swiglu" (x holds
+    2 * in values a row, gate then up: silu(gate) * up); bias [out] and residual [M, out] float32
+    are added to the product in that order. Every path gives the same bits."""
+    return linear_parts(x, [w], isa, threads, pre=pre, pre_weight=pre_weight, eps=eps,
+                        biases=[bias], residual=residual)  # fmt: skip
+
+
+def linear_parts(
+    x: torch.Tensor,
+    parts: list[PackedWeight],
+    isa: str | None = None,
+    threads: int | None = None,
+    *,
+    pre: str | None = None,
+    pre_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    biases: list[torch.Tensor | None] | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`linear` for weights whose outputs sit side by side ([M, sum of outs]; q|k|v of two
+    formats): the rows are quantized once, then each part's product is written into its columns."""
     lib = _lib()
     if lib is None:
         raise SpecDecodeError("the quantized kernel is not built here (no C compiler?); use another --dtype")
-    if x.shape[-1] != w.in_features:
-        raise SpecDecodeError(f"input width {x.shape[-1]} does not match the weight's {w.in_features}")
+    k = parts[0].in_features
+    if any(p.in_features != k for p in parts):
+        raise SpecDecodeError("linear_parts: every part must read the same input width")
+    x = _rows_in(x, k, pre, pre_weight)
+    m, n = x.shape[0], sum(p.out_features for p in parts)
+    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.float32 or not residual.is_contiguous()):
+        raise SpecDecodeError(f"the residual must be a contiguous float32 [{m}, {n}]")
     i = ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa())
-    return _call(lib, x, w, i, threads or torch.get_num_threads())
+    threads = threads or torch.get_num_threads()
+    y = torch.empty(m, n)
+    biases = biases or [None] * len(parts)
+    if len(parts) == 1:
+        p, b = parts[0], biases[0]
+        rc = lib.sdk_linear_ex(p.code, p.tiles.data_ptr(), n, p.blocks, k, x.data_ptr(), x.stride(0), m,
+                               y.data_ptr(), n, PRE[pre], _ptr(pre_weight), eps, _ptr(b), _ptr(residual), n, i,
+                               threads)  # fmt: skip
+        if rc != 0:
+            raise _refused(rc, f"a product ({ISAS[i]}, {tuple(x.shape)} x {p.kind} {p.out_features}x{k})")
+        return y
+    rc = lib.sdk_quantize(x.data_ptr(), x.stride(0), m, k, PRE[pre], _ptr(pre_weight), eps, i, threads)
+    if rc != 0:
+        raise _refused(rc, f"rows {tuple(x.shape)}")
+    col = 0
+    for p, b in zip(parts, biases):
+        rc = lib.sdk_product(p.code, p.tiles.data_ptr(), p.out_features, p.blocks, k, m, y.data_ptr() + 4 * col,
+                             n, _ptr(b), None if residual is None else residual.data_ptr() + 4 * col, n, i,
+                             threads)  # fmt: skip
+        if rc != 0:
+            raise _refused(rc, f"a product ({ISAS[i]}, {m} rows x {p.kind} {p.out_features}x{k})")
+        col += p.out_features
+    return y
+
+
+def rope_attention(
+    qkv: torch.Tensor,
+    shape: tuple[int, int, int, int, int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    idx: torch.Tensor,
+    n: torch.Tensor,
+    scale: float,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """A layer's attention from its q|k|v rows in one C call: RoPE on every token's query and key
+    heads (x * cos + roll(x, D / 2) * sin, the sign in `sin`), its key and value written at its
+    slot, then `attention` over the slots each query sees. qkv [B * T, (H + 2 Hkv) * D] float32
+    rows; shape (B, T, H, Hkv, D); cos, sin [1 or B, T, 1, D] float32; keys, values the cache
+    layer's (as `attention`); slots [B, T] int32 write slots; idx [B, T, N], n [B, T] int32 ->
+    [B * T, H * D]. Every path gives the same bits."""
+    lib = _lib()
+    if lib is None:
+        raise SpecDecodeError("the kernel's attention is not built here (no C compiler?)")
+    B, T, H, Hkv, D = shape
+    if qkv.dtype != torch.float32 or qkv.shape != (B * T, (H + 2 * Hkv) * D) or qkv.stride(-1) != 1:
+        raise SpecDecodeError("rope_attention: qkv must be float32 [B * T, (H + 2 Hkv) * D] rows")
+    for name, t in (("cos", cos), ("sin", sin), ("keys", keys), ("values", values)):
+        if t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise SpecDecodeError(f"rope_attention: {name} must be float32 with a contiguous last axis")
+    if cos.stride() != sin.stride() or cos.shape[-1] != D or cos.shape[1] != T:
+        raise SpecDecodeError("rope_attention: cos and sin must be [1 or B, T, 1, D] of one layout")
+    if values.stride(-2) != D or values.shape[-2] != 64:
+        raise SpecDecodeError("rope_attention: values must be chunk-major [chunks, B, Hkv, 64, D]")
+    if slots.dtype != torch.int32 or slots.shape != (B, T) or not slots.is_contiguous():
+        raise SpecDecodeError("rope_attention: slots must be int32 [B, T]")
+    cap = min(keys.shape[2], values.shape[0] * 64)  # the C code refuses a slot outside it
+    idx, n = idx.to(torch.int32).contiguous(), n.to(torch.int32).contiguous()
+    cb = cos.stride(0) if cos.shape[0] > 1 else 0
+    qbuf, out = torch.empty(B * T * H * D), torch.empty(B * T, H * D)
+    rc = lib.sdk_rope_attention(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cb, cos.stride(1),
+        keys.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.data_ptr(), values.stride(0), values.stride(1), values.stride(2),
+        slots.data_ptr(), cap, idx.data_ptr(), n.data_ptr(), B, T, H, Hkv, D, idx.shape[-1], scale,
+        qbuf.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(),
+        ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa()),
+    )  # fmt: skip
+    if rc != 0:
+        raise SpecDecodeError(f"the kernel's attention refused its inputs ({rc})")
+    return out
 
 
 def attention(
@@ -256,7 +398,34 @@ def _checked(isa: str) -> bool:
     for args in _attention_cases(gen):  # the attention's build for this path: the base build's bits
         if not torch.equal(attention(*args, threads=2, isa=isa), attention(*args, threads=1, isa="ref")):
             return False
-    return True
+    # the fused layers' pieces: a pre-pass (RMSNorm, SwiGLU) with bias and residual, and RoPE + the
+    # cache write + attention
+    x = torch.from_numpy(gen.standard_normal((9, 512)).astype(np.float32) * 4)
+    nw = torch.from_numpy(gen.standard_normal(256).astype(np.float32))
+    packed = PackedWeight(quantize_q4_k(gen.standard_normal((24, 256)).astype(np.float32)))
+    bias, res = torch.from_numpy(gen.standard_normal(24).astype(np.float32)), torch.ones(9, 24)
+    for pre, xs in (("rms_norm", x[:, :256]), ("swiglu", x)):
+        kw = dict(pre=pre, pre_weight=nw if pre == "rms_norm" else None, eps=0.01, bias=bias, residual=res)
+        if not torch.equal(linear(xs, packed, isa, 2, **kw), linear(xs, packed, "ref", 1, **kw)):
+            return False
+    return _rope_attention_matches(gen, isa)
+
+
+def _rope_attention_matches(gen: np.random.Generator, isa: str) -> bool:
+    """rope_attention on `isa` writes and returns the reference path's bits."""
+    B, T, H, Hkv, D = 2, 2, 4, 2, 24
+    r = lambda *s: torch.from_numpy(gen.standard_normal(s).astype(np.float32))  # noqa: E731
+    qkv, cos, sin = r(B * T, (H + 2 * Hkv) * D), r(B, T, 1, D), r(B, T, 1, D)
+    keys, values = r(B, Hkv, 128, D), r(2, B, Hkv, 64, D)
+    slots = torch.tensor([[100, 101], [3, 7]], dtype=torch.int32)
+    idx = torch.from_numpy(np.stack([gen.permutation(110) for _ in range(B * T)]).reshape(B, T, 110))
+    n = torch.from_numpy(gen.integers(1, 111, (B, T)))
+    got = []
+    for path, threads in ((isa, 2), ("ref", 1)):
+        k, v = keys.clone(), values.clone()
+        out = rope_attention(qkv, (B, T, H, Hkv, D), cos, sin, k, v, slots, idx, n, 0.2, threads, path)
+        got.append((out, k, v))
+    return all(torch.equal(a, b) for a, b in zip(*got))
 
 
 def _attention_cases(gen: np.random.Generator):

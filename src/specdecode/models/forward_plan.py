@@ -157,6 +157,9 @@ def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: Forward
         tree = {} if tree_mask is None else _tree_order(tree_mask, cache.lengths, positions, S)
         kind = KernelAttention if getattr(model, "kernel_attention", False) else InvariantAttention
         attention = kind(allowed, B, c.num_kv_heads, G, D, model.dtype, **tree)
+        if kind is KernelAttention:  # where each token's key and value go (the fused layers)
+            write = torch.arange(s, s + T, device=dev).expand(B, T) if slots is None else slots
+            attention.slots = write.to(torch.int32).contiguous()
     parents = None
     if tree_mask is not None and c.linear_layers:
         from .linear_attention import tree_parents

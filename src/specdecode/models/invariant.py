@@ -300,6 +300,7 @@ class KernelAttention:
             self.n = logical_allowed.sum(-1).to(torch.int32)
         self.scale = head_dim**-0.5
         self.dtype = dtype
+        self.slots: torch.Tensor | None = None  # [B, T] int32 write slots, set by plan_forward
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         from ..kernels import attention

@@ -14,7 +14,15 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
-from ..kernels import BlockWeight, PackedWeight, available, linear, quantize_q4_k, quantize_q8_0
+from ..kernels import (
+    BlockWeight,
+    PackedWeight,
+    available,
+    linear,
+    linear_parts,
+    quantize_q4_k,
+    quantize_q8_0,
+)
 from .linear import Linear, runs_of
 
 
@@ -61,7 +69,7 @@ class KernelLinear(Linear):
         # the file's blocks, for row selections (a draft vocabulary's head) and float_weight: kept
         # when they are a view of the file (free), not when stacking copied them (q|k|v, gate|up)
         self.block_weight = weight if keep_blocks else None
-        self.bias = None if bias is None else bias.float()
+        self.bias = None if bias is None else bias.float().contiguous()
         self.numel = self.out_features * self.in_features + (0 if bias is None else bias.numel())
         self.nbytes = self.packed.nbytes + (0 if bias is None else 4 * bias.numel())
         self.layout, self.dtype, self.bits, self.group = f"kq:{weight.kind}", torch.float32, 4, None
@@ -106,3 +114,28 @@ def kernel_linears(parts: list, bias: torch.Tensor | None) -> list[KernelLinear]
         made.append(KernelLinear(w, b, keep_blocks=len(run) == 1))
         start += w.shape[0]
     return made
+
+
+def fused_product(
+    lin,
+    x: torch.Tensor,
+    pre: str | None = None,
+    pre_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A kq projection (a KernelLinear, or a ConcatLinear of them) of x float32 rows with the
+    input's pre-pass ("rms_norm" with pre_weight and eps, or "swiglu": silu(gate) * up of rows of
+    2 * in values) done in C before the rows are quantized, and bias and residual added in the
+    product's epilogue: one C call (kernels.linear_parts) instead of a norm, a SiLU and adds in
+    torch. The fused layers of LlamaModel (models/llama.py) run every projection this way."""
+    parts = getattr(lin, "parts", [lin])
+    return linear_parts(
+        x,
+        [p.packed for p in parts],
+        pre=pre,
+        pre_weight=pre_weight,
+        eps=eps,
+        biases=[p.bias for p in parts],
+        residual=residual,
+    )

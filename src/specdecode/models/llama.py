@@ -374,6 +374,21 @@ class LlamaModel:
         return available()
 
     @property
+    def fused_layers(self) -> bool:
+        """The batch-invariant forward runs each layer as five C calls (models/llama.py
+        _fused_attention_block): RMSNorm inside the q|k|v and gate|up products, RoPE, the cache
+        write and the attention in one, SwiGLU inside the down product, residuals and biases in
+        the products' epilogue. kq models in float32 without Qwen3's q/k norms or EAGLE-3's input
+        layer; every invariant forward of such a model takes it (prefill, decode, trees, riders),
+        so they all agree bit for bit."""
+        return (
+            self.kernel_attention
+            and self.dtype == torch.float32
+            and not self.cfg.qk_norm
+            and all(layer.hidden_norm is None for layer in self.layers)
+        )
+
+    @property
     def supports_invariant(self) -> bool:
         """A batch-invariant forward exists (not for linear-attention layers)."""
         return not self.cfg.linear_layers
@@ -575,10 +590,13 @@ class LlamaModel:
         aux_at = set().union(*(p.aux_layers for p in plans))
         aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
         head = plans[0]  # the layers, invariance and eps every call shares (can_carry)
+        fused = head.invariant and self.fused_layers
         for i, layer in enumerate(head.layers):
             if i in aux_at:
                 aux[i] = x
-            if layer.linear:
+            if fused:
+                x = _fused_attention_block(self, i, layer, x, jobs, sizes)
+            elif layer.linear:
                 tokens, cache, plan = jobs[0]
                 x = _linear_attention_block(self, i, layer, x, tokens, cache, plan)
             else:
@@ -679,6 +697,34 @@ def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
     attn = outs[0] if len(outs) == 1 else torch.cat(outs)
     x = layer.o(attn, residual=x, invariant=inv)
     return _mlp(model, layer, x, jobs[0][2])
+
+
+def _fused_attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
+    """_attention_block for a model with fused_layers, in five C calls (kernels/): the input norm
+    inside the q|k|v product (biases in its epilogue), RoPE + cache write + attention per forward,
+    the output projection with the residual added, the MLP norm inside gate|up, SwiGLU inside the
+    down projection with the residual added. Each is computed row by row in a fixed order, so a
+    token's bits do not depend on what shares the forward."""
+    from ..kernels import rope_attention
+    from .kernel_linear import fused_product
+
+    d_eps = jobs[0][2].d_eps
+    qkv_all = fused_product(layer.qkv, x, "rms_norm", layer.attn_norm_s, d_eps)
+    kv = model.kv_index[i]
+    outs, start = [], 0
+    for (_, cache, plan), n in zip(jobs, sizes):
+        qkv = qkv_all if len(jobs) == 1 else qkv_all.narrow(0, start, n)
+        start += n
+        a = plan.attention
+        outs.append(
+            rope_attention(
+                qkv, plan.shape, plan.cos, plan.sin, cache.layer_k[kv], cache.layer_v[kv], a.slots, a.idx, a.n, a.scale
+            )
+        )
+    attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+    x = fused_product(layer.o, attn, residual=x)
+    gate_up = fused_product(layer.gate_up, x, "rms_norm", layer.mlp_norm_s, d_eps)
+    return fused_product(layer.down, gate_up, "swiglu", residual=x)
 
 
 def _linear_attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache, plan: ForwardPlan):

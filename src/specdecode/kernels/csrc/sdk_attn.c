@@ -41,3 +41,40 @@ int sdk_attention(const float *q, long qb, long qt, const float *keys, long kb, 
     if (!fn || !sdk_isa_runs(isa)) return -2;
     return fn(q, qb, qt, keys, kb, kh, ks, values, vc, vb, vh, idx, n, B, T, H, Hkv, D, N, scale, out, nthreads);
 }
+
+/* the row pre-pass of each build (sdk_attn_body.h ATTN(pre_row)): the same bits in all */
+typedef void (*pre_fn)(int, const float *, int, const float *, float, float *);
+extern void attn_avx2_pre_row(int, const float *, int, const float *, float, float *) __attribute__((weak));
+extern void attn_avx512_pre_row(int, const float *, int, const float *, float, float *) __attribute__((weak));
+
+pre_fn sdk_pre_row_for(int isa) {
+    if ((isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) && attn_avx2_pre_row) return attn_avx2_pre_row;
+    if (isa == SDK_ISA_AVX512VNNI && attn_avx512_pre_row) return attn_avx512_pre_row;
+    return attn_base_pre_row;
+}
+
+typedef int (*rope_attend_fn)(const float *, long, const float *, const float *, long, long, float *, long, long,
+                              long, float *, long, long, long, const int32_t *, int, const int32_t *,
+                              const int32_t *, int, int, int, int, int, int, float, float *, float *, int);
+extern int attn_avx2_rope_attend(const float *, long, const float *, const float *, long, long, float *, long,
+                                 long, long, float *, long, long, long, const int32_t *, int, const int32_t *,
+                                 const int32_t *, int, int, int, int, int, int, float, float *, float *, int)
+    __attribute__((weak));
+extern int attn_avx512_rope_attend(const float *, long, const float *, const float *, long, long, float *, long,
+                                   long, long, float *, long, long, long, const int32_t *, int, const int32_t *,
+                                   const int32_t *, int, int, int, int, int, int, float, float *, float *, int)
+    __attribute__((weak));
+
+/* RoPE, the cache write and the attention of one layer in one call (sdk_attn_body.h
+ * ATTN(rope_attend)); returns as sdk_attention. */
+int sdk_rope_attention(const float *qkv, long ldq, const float *cos, const float *sin, long cb, long ct,
+                       float *keys, long kb, long kh, long ks, float *values, long vc, long vb, long vh,
+                       const int32_t *slots, int cap, const int32_t *idx, const int32_t *n, int B, int T, int H, int Hkv,
+                       int D, int N, float scale, float *qbuf, float *out, int nthreads, int isa) {
+    rope_attend_fn fn = attn_base_rope_attend;
+    if (isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) fn = attn_avx2_rope_attend;
+    if (isa == SDK_ISA_AVX512VNNI) fn = attn_avx512_rope_attend;
+    if (!fn || !sdk_isa_runs(isa)) return -2;
+    return fn(qkv, ldq, cos, sin, cb, ct, keys, kb, kh, ks, values, vc, vb, vh, slots, cap, idx, n, B, T, H, Hkv, D, N,
+              scale, qbuf, out, nthreads);
+}

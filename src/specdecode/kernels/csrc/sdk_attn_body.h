@@ -1,6 +1,8 @@
-/* The attention of sdk_attn.c, compiled once per instruction set (sdk_attn.c: no ISA flags;
- * sdk_attn_avx2.c, sdk_attn_avx512.c) under the name ATTN(x). Only vertical (lane by lane)
- * float operations and an explicit reduction tree: every build gives the same bits. */
+/* The float code around the products, compiled once per instruction set (sdk_attn.c: no ISA
+ * flags; sdk_attn_avx2.c, sdk_attn_avx512.c) under the name ATTN(x): the attention, and the row
+ * operations a layer feeds its projections (RMSNorm, SwiGLU) and its attention (RoPE, the cache
+ * write). Only vertical (lane by lane) float operations and explicit reduction trees: every
+ * build gives the same bits. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,6 +53,55 @@ static inline void ATTN(exp_inplace)(float *restrict x, int n) {
         bits += (int32_t)r * (1 << 23);
         memcpy(&x[p], &bits, 4);
     }
+}
+
+/* A projection's input row from its layer's stream (sdk_core.c's `pre`):
+ * RMSNorm: h = (x * w) * (1 / sqrt(sum x^2 + eps)), the sum of squares in dot's fixed order (w:
+ * the norm's weight times sqrt(k), eps: k * the model's eps, as the runtime folds them);
+ * SwiGLU: h = silu(g) * u over a row of 2k values (gate, then up), silu(g) = g / (1 + e^-g)
+ * written with e = exp(-|g|) <= 1 (g * e / (1 + e) for g < 0: nothing overflows). */
+static void ATTN(rms_norm_row)(const float *x, const float *w, int k, float eps, float *restrict h) {
+    const float r = 1.0f / sqrtf(ATTN(dot)(x, x, k) + eps);
+    for (int i = 0; i < k; i++) h[i] = (x[i] * w[i]) * r;
+}
+
+static void ATTN(swiglu_row)(const float *gu, int k, float *restrict h) {
+    const float *g = gu, *u = gu + k;
+    for (int i = 0; i < k; i++) h[i] = -fabsf(g[i]);
+    ATTN(exp_inplace)(h, k);
+    for (int i = 0; i < k; i++) {
+        const float e = h[i], s = (g[i] >= 0.0f ? g[i] : g[i] * e) / (1.0f + e);
+        h[i] = s * u[i];
+    }
+}
+
+/* pre 1: RMSNorm, 2: SwiGLU (x holds 2k values); anything else copies the row */
+void ATTN(pre_row)(int pre, const float *x, int k, const float *w, float eps, float *restrict h) {
+    if (pre == 1)
+        ATTN(rms_norm_row)(x, w, k, eps, h);
+    else if (pre == 2)
+        ATTN(swiglu_row)(x, k, h);
+    else
+        memcpy(h, x, sizeof(float) * (size_t)k);
+}
+
+/* RoPE on one token's query and key heads and the cache write of its key and value: qkv is the
+ * token's q|k|v projection ([H + 2 Hkv] heads of D), cs/sn its position's tables (sn carries
+ * the sign: x * cos + roll(x, D / 2) * sin); the rotated queries go to q (H heads of D), the
+ * rotated keys to keys at `slot`, the values to the chunk-major values at `slot`. */
+static void ATTN(rope_write_token)(const float *qkv, const float *cs, const float *sn, int H, int Hkv, int D,
+                                   float *restrict q, float *keys, long kh, long ks, float *values, long vc,
+                                   long vh, int slot) {
+    const int half = D / 2;
+    for (int hd = 0; hd < H + Hkv; hd++) {
+        const float *x = qkv + (long)hd * D;
+        float *restrict o = hd < H ? q + (long)hd * D : keys + (long)(hd - H) * kh + (long)slot * ks;
+        for (int j = 0; j < half; j++) o[j] = x[j] * cs[j] + x[j + half] * sn[j];
+        for (int j = half; j < D; j++) o[j] = x[j] * cs[j] + x[j - half] * sn[j];
+    }
+    float *vrow = values + (long)(slot / CHUNK) * vc + (long)(slot % CHUNK) * D;
+    for (int hd = 0; hd < Hkv; hd++)
+        memcpy(vrow + (long)hd * vh, qkv + (long)(H + Hkv + hd) * D, sizeof(float) * (size_t)D);
 }
 
 /* one (row b, token t, kv head h) task: its G query heads (contiguous in q). w: G * n floats.
@@ -122,4 +173,29 @@ int ATTN(run)(const float *q, long qb, long qt, const float *keys, long kb, long
         free(w);
     }
     return failed ? -3 : 0;
+}
+
+/* A layer's attention from its q|k|v projection rows: RoPE and the cache write of every token
+ * (rows b * T + t of qkv, ldq floats apart; tables cos/sin at b * cb + t * ct; slots [B, T]),
+ * then ATTN(run) over the rotated queries (qbuf: B * T * H * D floats). The keys' and values'
+ * batch strides kb, vb apply per row b. */
+int ATTN(rope_attend)(const float *qkv, long ldq, const float *cos, const float *sin, long cb, long ct,
+                      float *keys, long kb, long kh, long ks, float *values, long vc, long vb, long vh,
+                      const int32_t *slots, int cap, const int32_t *idx, const int32_t *n, int B, int T, int H, int Hkv,
+                      int D, int N, float scale, float *qbuf, float *out, int nthreads) {
+    if (B <= 0 || T <= 0 || Hkv <= 0 || H % Hkv || D <= 0 || D % 2 || N <= 0) return -1;
+    const int tokens = B * T;
+    for (int bt = 0; bt < tokens; bt++)
+        if (slots[bt] < 0 || slots[bt] >= cap) return -1;
+    int wthreads = tokens >= 8 ? nthreads : 1;
+    if (wthreads < 1) wthreads = 1;
+#pragma omp parallel for num_threads(wthreads) schedule(static)
+    for (int bt = 0; bt < tokens; bt++) {
+        const int b = bt / T, t = bt % T;
+        ATTN(rope_write_token)(qkv + (long)bt * ldq, cos + b * cb + t * ct, sin + b * cb + t * ct, H, Hkv, D,
+                               qbuf + (long)bt * H * D, keys + b * kb, kh, ks, values + b * vb, vc, vh,
+                               slots[bt]);
+    }
+    return ATTN(run)(qbuf, (long)T * H * D, (long)H * D, keys, kb, kh, ks, values, vc, vb, vh, idx, n, B, T, H,
+                     Hkv, D, N, scale, out, nthreads);
 }

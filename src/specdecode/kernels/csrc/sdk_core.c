@@ -19,7 +19,7 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 
-int sdk_abi_version(void) { return 2; }
+int sdk_abi_version(void) { return 3; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
@@ -75,25 +75,34 @@ int sdk_isa_runs(int isa) {
 /* 1 when this build compiled the path (whatever the CPU) */
 int sdk_isa_built(int isa) { return isa >= 0 && isa < SDK_NISA && path(isa) != 0; }
 
+/* the calling thread's quantized rows (sdk_quantize writes them, sdk_product reads them; the
+ * workers get the pointers) and each thread's pre-pass row */
 static __thread int8_t *t_xq;
 static __thread float *t_xa;
 static __thread int32_t *t_xs, *t_xp;
 static __thread size_t t_rows_cap, t_kp_cap;
+static __thread int t_m = -1, t_k = -1;
+static __thread float *t_pre;
+static __thread size_t t_pre_cap;
 
-/* y [m, n] = x [m, k] W^T, W packed as `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs;
- * Q8_0, Q5_0: 32). Returns 0, or -1 (bad arguments), -2 (path not runnable), -3 (out of memory). */
-int sdk_linear(int type, const uint8_t *w, int n, int nblk, int k, const float *x, int m, float *y, int isa,
-               int nthreads) {
-    if (type < SDK_Q4K || type > SDK_Q5_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0) return -1;
-    int blk = type == SDK_Q8_0 || type == SDK_Q5_0 ? 32 : SDK_QK;
-    if ((long)nblk * blk < k) return -1;
+typedef void (*pre_fn)(int, const float *, int, const float *, float, float *);
+pre_fn sdk_pre_row_for(int isa);
+
+static size_t record_bytes(int type) {
+    return type == SDK_Q4K ? SDK_Q4K_REC : type == SDK_Q6K ? SDK_Q6K_REC : type == SDK_Q8_0 ? SDK_Q8_REC : SDK_Q5_REC;
+}
+
+/* Quantize rows x [m, k] (ldx floats apart) to int8 for the products that follow on this thread.
+ * pre: 0 the rows as they are; 1 RMSNorm with weight pre_w [k] and eps; 2 SwiGLU of rows of 2k
+ * values (gate, up) (sdk_attn_body.h ATTN(pre_row), the same bits for every isa). Returns 0, or
+ * -1 (bad arguments), -2 (path not runnable), -3 (out of memory). */
+int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *pre_w, float eps, int isa,
+                 int nthreads) {
+    t_m = t_k = -1;
+    if (k <= 0 || m < 0 || pre < 0 || pre > 2 || (pre == 1 && !pre_w)) return -1;
+    if (ldx < (pre == 2 ? 2L * k : (long)k)) return -1;
     if (!sdk_isa_runs(isa)) return -2;
-    if (m == 0) return 0;
-    int kp = ((nblk * blk + SDK_QK - 1) / SDK_QK) * SDK_QK;
-    size_t rec = type == SDK_Q4K   ? SDK_Q4K_REC
-                 : type == SDK_Q6K ? SDK_Q6K_REC
-                 : type == SDK_Q8_0 ? SDK_Q8_REC
-                                    : SDK_Q5_REC;
+    int kp = ((k + SDK_QK - 1) / SDK_QK) * SDK_QK;
     if ((size_t)m > t_rows_cap || (size_t)kp > t_kp_cap) {
         size_t rows = (size_t)m > t_rows_cap ? (size_t)m : t_rows_cap;
         size_t cols = (size_t)kp > t_kp_cap ? (size_t)kp : t_kp_cap;
@@ -113,32 +122,105 @@ int sdk_linear(int type, const uint8_t *w, int n, int nblk, int k, const float *
      * reference's quantizer (the same bits; the self-check compares the paths with the reference) */
     void (*quantize)(const float *, int, int, int8_t *, float *, int32_t *, int32_t *) =
         isa != SDK_ISA_REF && sdk_quantize_row_avx2 ? sdk_quantize_row_avx2 : sdk_quantize_row;
+    pre_fn prefn = pre ? sdk_pre_row_for(isa) : 0;
     if (nthreads < 1) nthreads = 1;
     int qthreads = m >= 16 ? nthreads : 1;
-    /* this thread's buffers (the workers have thread-local pointers of their own) */
     int8_t *xq = t_xq;
     float *xa = t_xa;
     int32_t *xs = t_xs, *xp = t_xp;
-#pragma omp parallel for num_threads(qthreads) schedule(static)
-    for (int r = 0; r < m; r++)
-        quantize(x + (size_t)r * k, k, kp, xq + (size_t)r * kp, xa + (size_t)r * (kp / SDK_QK),
-                 xs + (size_t)r * (kp / 16), xp + (size_t)r * (kp / 64));
-    sdk_act act = {xq, xa, xs, xp, kp};
+    int failed = 0;
+#pragma omp parallel num_threads(qthreads)
+    {
+        float *h = 0;
+        if (prefn) {
+            if ((size_t)k > t_pre_cap) {
+                free(t_pre);
+                t_pre = malloc(sizeof(float) * (size_t)k);
+                t_pre_cap = t_pre ? (size_t)k : 0;
+            }
+            h = t_pre;
+            if (!h) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) {
+            const float *row = x + (size_t)r * ldx;
+            if (prefn) {
+                if (!h) continue;
+                prefn(pre, row, k, pre_w, eps, h);
+                row = h;
+            }
+            quantize(row, k, kp, xq + (size_t)r * kp, xa + (size_t)r * (kp / SDK_QK), xs + (size_t)r * (kp / 16),
+                     xp + (size_t)r * (kp / 64));
+        }
+    }
+    if (failed) return -3;
+    t_m = m;
+    t_k = k;
+    return 0;
+}
+
+/* y [m, n] (ldy floats apart) = the rows sdk_quantize left on this thread times W^T, W packed as
+ * `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs; Q8_0, Q5_0: 32), then + bias [n] and
+ * + res [m, n] (ldr floats apart) when given, in that order (one IEEE add each). Returns 0, or
+ * -1 (bad arguments, or no rows of this m and k quantized), -2 (path not runnable). */
+int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float *y, long ldy, const float *bias,
+                const float *res, long ldr, int isa, int nthreads) {
+    if (type < SDK_Q4K || type > SDK_Q5_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0 || ldy < n) return -1;
+    int blk = type == SDK_Q8_0 || type == SDK_Q5_0 ? 32 : SDK_QK;
+    if ((long)nblk * blk < k || (long)(nblk - 1) * blk >= k) return -1;
+    if (res && ldr < n) return -1;
+    if (!sdk_isa_runs(isa)) return -2;
+    if (m == 0) return 0;
+    if (m != t_m || k != t_k) return -1;
+    int kp = ((k + SDK_QK - 1) / SDK_QK) * SDK_QK;
+    size_t rec = record_bytes(type);
+    sdk_act act = {t_xq, t_xa, t_xs, t_xp, kp};
     sdk_tile_fn fn = path(isa);
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
+    if (nthreads < 1) nthreads = 1;
     if (nthreads > tiles) nthreads = tiles;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {
         uint8_t scratch[16384] __attribute__((aligned(64)));
         float acc[SDK_ROWS * SDK_TILE] __attribute__((aligned(64)));
         const uint8_t *wt = w + (size_t)t * nblk * rec;
-        int cols = n - t * SDK_TILE < SDK_TILE ? n - t * SDK_TILE : SDK_TILE;
+        const int c0 = t * SDK_TILE, cols = n - c0 < SDK_TILE ? n - c0 : SDK_TILE;
         for (int m0 = 0; m0 < m; m0 += SDK_ROWS) {
             int m1 = m0 + SDK_ROWS < m ? m0 + SDK_ROWS : m;
             fn(type, wt, nblk, &act, m0, m1, acc, scratch);
-            for (int r = m0; r < m1; r++)
-                memcpy(y + (size_t)r * n + t * SDK_TILE, acc + (r - m0) * SDK_TILE, cols * sizeof(float));
+            for (int r = m0; r < m1; r++) {
+                float *yr = y + (size_t)r * ldy + c0;
+                const float *a = acc + (r - m0) * SDK_TILE;
+                if (!bias && !res) {
+                    memcpy(yr, a, cols * sizeof(float));
+                    continue;
+                }
+                for (int c = 0; c < cols; c++) {
+                    float v = a[c];
+                    if (bias) v += bias[c0 + c];
+                    if (res) v += res[(size_t)r * ldr + c0 + c];
+                    yr[c] = v;
+                }
+            }
         }
     }
     return 0;
+}
+
+/* sdk_quantize then sdk_product: one projection in one call */
+int sdk_linear_ex(int type, const uint8_t *w, int n, int nblk, int k, const float *x, long ldx, int m, float *y,
+                  long ldy, int pre, const float *pre_w, float eps, const float *bias, const float *res, long ldr,
+                  int isa, int nthreads) {
+    if (type < SDK_Q4K || type > SDK_Q5_0) return -1;
+    int rc = sdk_quantize(x, ldx, m, k, pre, pre_w, eps, isa, nthreads);
+    return rc ? rc : sdk_product(type, w, n, nblk, k, m, y, ldy, bias, res, ldr, isa, nthreads);
+}
+
+/* y [m, n] = x [m, k] W^T (rows contiguous): sdk_linear_ex without pre-pass, bias or residual */
+int sdk_linear(int type, const uint8_t *w, int n, int nblk, int k, const float *x, int m, float *y, int isa,
+               int nthreads) {
+    return sdk_linear_ex(type, w, n, nblk, k, x, k, m, y, n, 0, 0, 0.0f, 0, 0, 0, isa, nthreads);
 }
