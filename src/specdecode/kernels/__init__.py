@@ -156,17 +156,23 @@ def _refused(rc: int, what: str) -> SpecDecodeError:
 
 def _rows_in(x: torch.Tensor, k: int, pre: str | None, pre_weight: torch.Tensor | None) -> torch.Tensor:
     """x as float32 rows with a contiguous last axis, checked against the width the pre-pass reads."""
-    if pre not in PRE:
+    code = PRE.get(pre, -1)
+    if code < 0:
         raise SpecDecodeError(f"unknown pre-pass {pre!r}; choose rms_norm or swiglu")
-    width = 2 * k if pre == "swiglu" else k
+    width = 2 * k if code == 2 else k
     if x.shape[-1] != width:
         raise SpecDecodeError(f"input width {x.shape[-1]} does not match the weight's {width}")
-    if pre == "rms_norm" and (pre_weight is None or pre_weight.shape != (k,) or pre_weight.dtype != torch.float32):
+    if code == 1 and (pre_weight is None or pre_weight.shape != (k,) or pre_weight.dtype != torch.float32):
         raise SpecDecodeError(f"rms_norm needs a float32 weight of {k} values")
-    x = x.detach().reshape(-1, width)
-    if x.dtype != torch.float32 or x.stride(-1) != 1:
-        x = x.to(torch.float32).contiguous()
+    if x.dim() != 2:
+        x = x.reshape(-1, width)
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        x = x.detach().to(torch.float32).contiguous()
     return x
+
+
+def _isa_index(isa: str | None) -> int:
+    return ISAS.index(isa if isa is not None else chosen_isa())
 
 
 def linear(
@@ -211,10 +217,13 @@ def linear_parts(
     if any(p.in_features != k for p in parts):
         raise SpecDecodeError("linear_parts: every part must read the same input width")
     x = _rows_in(x, k, pre, pre_weight)
-    m, n = x.shape[0], sum(p.out_features for p in parts)
-    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.float32 or not residual.is_contiguous()):
+    m = x.shape[0]
+    n = parts[0].out_features if len(parts) == 1 else sum(p.out_features for p in parts)
+    if residual is not None and (
+        residual.shape != (m, n) or residual.dtype != torch.float32 or not residual.is_contiguous()
+    ):
         raise SpecDecodeError(f"the residual must be a contiguous float32 [{m}, {n}]")
-    i = ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa())
+    i = _isa_index(isa)
     threads = threads or torch.get_num_threads()
     y = torch.empty(m, n)
     biases = biases or [None] * len(parts)
@@ -284,8 +293,7 @@ def rope_attention(
         keys.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
         values.data_ptr(), values.stride(0), values.stride(1), values.stride(2),
         slots.data_ptr(), cap, idx.data_ptr(), n.data_ptr(), B, T, H, Hkv, D, idx.shape[-1], scale,
-        qbuf.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(),
-        ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa()),
+        qbuf.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), _isa_index(isa),
     )  # fmt: skip
     if rc != 0:
         raise SpecDecodeError(f"the kernel's attention refused its inputs ({rc})")
