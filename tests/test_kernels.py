@@ -79,7 +79,11 @@ def test_a_fused_pre_pass_bias_and_residual_give_one_set_of_bits_on_every_path(p
     rng = np.random.default_rng(5)
     n, k = 40, 520
     width = 2 * k if pre == "swiglu" else k
-    x = rows(rng, 64, width) if pre == "rms_norm" else torch.from_numpy(rng.standard_normal((64, width)).astype(np.float32) * 3)
+    x = (
+        rows(rng, 64, width)
+        if pre == "rms_norm"
+        else torch.from_numpy(rng.standard_normal((64, width)).astype(np.float32) * 3)
+    )
     x[2, :k] = -200.0  # SwiGLU: exp(-200) underflows and nothing overflows
     wn = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -91,15 +95,21 @@ def test_a_fused_pre_pass_bias_and_residual_give_one_set_of_bits_on_every_path(p
         want = kernels.linear(x, packed, isa="ref", threads=1, bias=bias, residual=res, **kw)
         for isa in kernels.runnable_isas():
             for m in (1, 3, 8, 64):
-                got = kernels.linear(x[64 - m :], packed, isa=isa, threads=2, bias=bias, residual=res[64 - m :], **kw)
+                got = kernels.linear(
+                    x[64 - m :], packed, isa=isa, threads=2, bias=bias, residual=res[64 - m :], **kw
+                )
                 assert torch.equal(got, want[64 - m :]), (w.kind, isa, m)
         xd = x.double()
         if pre == "rms_norm":
             h = xd * wn.double() / (xd.square().sum(-1, keepdim=True) + eps).sqrt()
         else:
             h = torch.nn.functional.silu(xd[:, :k]) * xd[:, k:]
-        plain = kernels.linear(h.float(), packed, isa="ref", threads=1).double() + bias.double() + res.double()
-        scale = (h.abs().amax(-1, keepdim=True) * torch.from_numpy(w.dequantize()).abs().sum(-1).double()) / 127
+        plain = (
+            kernels.linear(h.float(), packed, isa="ref", threads=1).double() + bias.double() + res.double()
+        )
+        scale = (
+            h.abs().amax(-1, keepdim=True) * torch.from_numpy(w.dequantize()).abs().sum(-1).double()
+        ) / 127
         assert ((want.double() - plain).abs() <= 2 * scale + 1e-4).all(), w.kind
 
 
@@ -138,7 +148,9 @@ def test_rope_attention_rotates_writes_and_attends_as_the_torch_layers_do():
     outs = {}
     for isa in kernels.runnable_isas():
         keys, values = keys0.clone(), values0.clone()
-        out = kernels.rope_attention(qkv, (B, T, H, Hkv, D), cos, sin, keys, values, slots, idx, n, D**-0.5, isa=isa)
+        out = kernels.rope_attention(
+            qkv, (B, T, H, Hkv, D), cos, sin, keys, values, slots, idx, n, D**-0.5, isa=isa
+        )
         outs[isa] = (out, keys, values)
     ref_out, ref_keys, ref_values = outs["ref"]
     for isa, got in outs.items():
@@ -158,7 +170,9 @@ def test_rope_attention_rotates_writes_and_attends_as_the_torch_layers_do():
     bad = slots.clone()
     bad[1, 2] = cap
     with pytest.raises(SpecDecodeError, match="refused"):
-        kernels.rope_attention(qkv, (B, T, H, Hkv, D), cos, sin, keys0.clone(), values0.clone(), bad, idx, n, 1.0)
+        kernels.rope_attention(
+            qkv, (B, T, H, Hkv, D), cos, sin, keys0.clone(), values0.clone(), bad, idx, n, 1.0
+        )
 
 
 def quantized_rows(x: np.ndarray, kp: int) -> np.ndarray:
@@ -381,7 +395,9 @@ def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kq_pair):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "torch-layers"])
-def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(kq_pair, fused, monkeypatch):
+def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(
+    kq_pair, fused, monkeypatch
+):
     """A kq model attends in the kernel: greedy speculation with a draft tree, a batch of rows of
     different lengths and a row admitted mid-run all give target-only's tokens alone, as the
     batch-invariant forward promises; with the fused layers (norms, RoPE, cache write,
@@ -397,7 +413,9 @@ def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitte
         monkeypatch.setattr(LlamaModel, "fused_layers", property(lambda self: False))
     seen = []
     real_call, real_fused = KernelAttention.__call__, kernels.rope_attention
-    monkeypatch.setattr(KernelAttention, "__call__", lambda self, *a: seen.append("torch") or real_call(self, *a))
+    monkeypatch.setattr(
+        KernelAttention, "__call__", lambda self, *a: seen.append("torch") or real_call(self, *a)
+    )
     monkeypatch.setattr(kernels, "rope_attention", lambda *a: seen.append("fused") or real_fused(*a))
     params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]]

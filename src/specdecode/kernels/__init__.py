@@ -85,7 +85,37 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_quantize.argtypes = [P, L, i, i, i, P, f, i, i]
     lib.sdk_product.argtypes = [i, P, i, i, i, i, P, L, P, P, L, i, i]
     lib.sdk_linear_ex.argtypes = [i, P, i, i, i, P, L, i, P, L, i, P, f, P, P, L, i, i]
-    lib.sdk_rope_attention.argtypes = [P, L, P, P, L, L, P, L, L, L, P, L, L, L, P, i, P, P, i, i, i, i, i, i, f, P, P, i, i]
+    lib.sdk_rope_attention.argtypes = [
+        P,
+        L,
+        P,
+        P,
+        L,
+        L,
+        P,
+        L,
+        L,
+        L,
+        P,
+        L,
+        L,
+        L,
+        P,
+        i,
+        P,
+        P,
+        i,
+        i,
+        i,
+        i,
+        i,
+        i,
+        f,
+        P,
+        P,
+        i,
+        i,
+    ]
     for fn in (lib.sdk_quantize, lib.sdk_product, lib.sdk_linear_ex, lib.sdk_rope_attention):
         fn.restype = ctypes.c_int
     lib.sdk_attention.argtypes = [P, L, L, P, L, L, L, P, L, L, L, P, P, i, i, i, i, i, i, f, P, i, i]
@@ -229,9 +259,9 @@ def linear_parts(
     biases = biases or [None] * len(parts)
     if len(parts) == 1:
         p, b = parts[0], biases[0]
-        rc = lib.sdk_linear_ex(p.code, p.tiles.data_ptr(), n, p.blocks, k, x.data_ptr(), x.stride(0), m,
-                               y.data_ptr(), n, PRE[pre], _ptr(pre_weight), eps, _ptr(b), _ptr(residual), n, i,
-                               threads)  # fmt: skip
+        rc = lib.sdk_linear_ex(p.code, p.tiles.data_ptr(), n, p.blocks, k, x.data_ptr(), x.stride(0),
+                               m, y.data_ptr(), n, PRE[pre], _ptr(pre_weight), eps, _ptr(b), _ptr(residual),
+                               n, i, threads)  # fmt: skip
         if rc != 0:
             raise _refused(rc, f"a product ({ISAS[i]}, {tuple(x.shape)} x {p.kind} {p.out_features}x{k})")
         return y
@@ -240,9 +270,9 @@ def linear_parts(
         raise _refused(rc, f"rows {tuple(x.shape)}")
     col = 0
     for p, b in zip(parts, biases):
-        rc = lib.sdk_product(p.code, p.tiles.data_ptr(), p.out_features, p.blocks, k, m, y.data_ptr() + 4 * col,
-                             n, _ptr(b), None if residual is None else residual.data_ptr() + 4 * col, n, i,
-                             threads)  # fmt: skip
+        res = None if residual is None else residual.data_ptr() + 4 * col
+        rc = lib.sdk_product(p.code, p.tiles.data_ptr(), p.out_features, p.blocks, k, m,
+                             y.data_ptr() + 4 * col, n, _ptr(b), res, n, i, threads)  # fmt: skip
         if rc != 0:
             raise _refused(rc, f"a product ({ISAS[i]}, {m} rows x {p.kind} {p.out_features}x{k})")
         col += p.out_features

@@ -718,7 +718,16 @@ def _fused_attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, si
         a = plan.attention
         outs.append(
             rope_attention(
-                qkv, plan.shape, plan.cos, plan.sin, cache.layer_k[kv], cache.layer_v[kv], a.slots, a.idx, a.n, a.scale
+                qkv,
+                plan.shape,
+                plan.cos,
+                plan.sin,
+                cache.layer_k[kv],
+                cache.layer_v[kv],
+                a.slots,
+                a.idx,
+                a.n,
+                a.scale,
             )
         )
     attn = outs[0] if len(outs) == 1 else torch.cat(outs)
