@@ -13,19 +13,31 @@
 #define LANES 16
 #endif
 
+#ifndef SDK_VF
+#define SDK_VF
+/* 16 floats as one GCC vector: each build lowers its operations to its own registers (4 SSE, 2
+ * AVX2 or 1 AVX-512 per vector), lane by lane, so every build computes the same IEEE operations */
+typedef float sdk_vf __attribute__((vector_size(64)));
+typedef int32_t sdk_vi __attribute__((vector_size(64)));
+static inline sdk_vf sdk_ld(const float *p) { sdk_vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void sdk_st(float *p, sdk_vf v) { memcpy(p, &v, sizeof v); }
+#endif
+
 static inline float ATTN(dot)(const float *a, const float *b, int d) {
     /* two sets of 16 partial sums (blocks of 16 alternate between them: two dependency chains),
-     * added lane by lane, then reduced in a fixed tree */
-    float acc[LANES] = {0}, acc2[LANES] = {0};
+     * added lane by lane, then reduced in a fixed tree (lane j += lane j + s for s = 8, 4, 2, 1) */
+    sdk_vf acc = {0}, acc2 = {0};
     int i = 0;
     for (; i + 2 * LANES <= d; i += 2 * LANES) {
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-        for (int j = 0; j < LANES; j++) acc2[j] += a[i + LANES + j] * b[i + LANES + j];
+        acc += sdk_ld(a + i) * sdk_ld(b + i);
+        acc2 += sdk_ld(a + i + LANES) * sdk_ld(b + i + LANES);
     }
     for (int j = 0; i + j < d; j++) acc[j % LANES] += a[i + j] * b[i + j];
-    for (int j = 0; j < LANES; j++) acc[j] += acc2[j];
-    for (int s = LANES / 2; s > 0; s /= 2)
-        for (int j = 0; j < s; j++) acc[j] += acc[j + s];
+    acc += acc2;
+    acc += __builtin_shuffle(acc, (sdk_vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    acc += __builtin_shuffle(acc, (sdk_vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    acc += __builtin_shuffle(acc, (sdk_vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    acc += __builtin_shuffle(acc, (sdk_vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
     return acc[0];
 }
 
@@ -115,10 +127,8 @@ static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long
     const float *vbase = values + b * vb + h * vh;
     const float *qh = q + b * qb + t * qt + (long)h * G * D;
     float sums[G];
-    for (int p = 0; p < n; p++) {
-        const float *k = kbase + (long)idx[p] * ks;
-        for (int g = 0; g < G; g++) w[(long)g * n + p] = ATTN(dot)(qh + (long)g * D, k, D) * scale;
-    }
+    for (int g = 0; g < G; g++)
+        for (int p = 0; p < n; p++) w[(long)g * n + p] = ATTN(dot)(qh + (long)g * D, kbase + (long)idx[p] * ks, D) * scale;
     for (int g = 0; g < G; g++) {
         float *wg = w + (long)g * n, m = -INFINITY, sum = 0.0f;
         for (int p = 0; p < n; p++) m = wg[p] > m ? wg[p] : m;
@@ -127,15 +137,43 @@ static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long
         for (int p = 0; p < n; p++) sum += wg[p];
         sums[g] = sum;
     }
+    /* each output lane: 0 + w_0 v_0 + w_1 v_1 + ... in logical order; 64 lanes at a time held
+     * in registers over all the keys (the same sums as adding key by key into memory) */
     float *restrict o = out + (((long)b * T + t) * H + (long)h * G) * D;
-    memset(o, 0, sizeof(float) * (size_t)G * D);
-    for (int p = 0; p < n; p++) {
-        int s = idx[p];
-        const float *restrict v = vbase + (long)(s / CHUNK) * vc + (long)(s % CHUNK) * D;
-        for (int g = 0; g < G; g++) {
-            const float wp = w[(long)g * n + p];
-            float *restrict og = o + (long)g * D;
-            for (int d = 0; d < D; d++) og[d] += wp * v[d];
+    for (int g = 0; g < G; g++) {
+        const float *wg = w + (long)g * n;
+        float *og = o + (long)g * D;
+        int d0 = 0;
+        for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) {
+            sdk_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int p = 0; p < n; p++) {
+                const int s = idx[p];
+                const float *v = vbase + (long)(s / CHUNK) * vc + (long)(s % CHUNK) * D + d0, wp = wg[p];
+                a0 += wp * sdk_ld(v);
+                a1 += wp * sdk_ld(v + LANES);
+                a2 += wp * sdk_ld(v + 2 * LANES);
+                a3 += wp * sdk_ld(v + 3 * LANES);
+            }
+            sdk_st(og + d0, a0);
+            sdk_st(og + d0 + LANES, a1);
+            sdk_st(og + d0 + 2 * LANES, a2);
+            sdk_st(og + d0 + 3 * LANES, a3);
+        }
+        for (; d0 + LANES <= D; d0 += LANES) {
+            sdk_vf a0 = {0};
+            for (int p = 0; p < n; p++) {
+                const int s = idx[p];
+                a0 += wg[p] * sdk_ld(vbase + (long)(s / CHUNK) * vc + (long)(s % CHUNK) * D + d0);
+            }
+            sdk_st(og + d0, a0);
+        }
+        for (; d0 < D; d0++) {
+            float a = 0.0f;
+            for (int p = 0; p < n; p++) {
+                const int s = idx[p];
+                a += wg[p] * vbase[(long)(s / CHUNK) * vc + (long)(s % CHUNK) * D + d0];
+            }
+            og[d0] = a;
         }
     }
     for (int g = 0; g < G; g++) {
