@@ -63,6 +63,8 @@ class BlockWeight:
         first = parts[0]
         if any((p.kind, p.raw.shape[1]) != (first.kind, first.raw.shape[1]) for p in parts):
             raise ValueError("formats differ")
+        if len(parts) == 1:  # no copy: a file's blocks stay a view of its memory map
+            return first
         return BlockWeight(first.kind, np.concatenate([p.raw for p in parts]), first.in_features)
 
     def dequantize(self) -> np.ndarray:
