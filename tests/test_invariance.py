@@ -210,12 +210,18 @@ def test_invariant_forward_is_the_same_when_a_verification_crosses_a_key_chunk(t
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_long_prefill_attended_in_query_blocks_gives_every_token_its_one_token_decode(tmp_path, dtype):
+def test_a_long_prefill_attended_in_query_blocks_gives_every_token_its_one_token_decode(
+    tmp_path, dtype, monkeypatch
+):
     """A prompt longer than QUERY_BLOCK is attended block by block, each block over only the key
     chunks it sees: every prompt token's logits and cached keys and values equal those of the
-    same prompt decoded one token at a time, and of the prompt prefilled in uneven chunks."""
+    same prompt decoded one token at a time, and of the prompt prefilled in uneven chunks (the
+    torch attention; a float32 model on the kernel attends in C: tests/test_kernels.py)."""
     from specdecode.models import invariant
     from specdecode.models.init import init_model
+    from specdecode.models.llama import LlamaModel
+
+    monkeypatch.setattr(LlamaModel, "kernel_attention", property(lambda self: False))
 
     path = init_model(
         tmp_path / "m",
@@ -304,6 +310,8 @@ def test_rows_of_very_different_lengths_attend_in_groups_with_the_bits_of_each_r
     from specdecode.models import invariant
 
     _, target, _ = family
+    # the torch attention under test (a float32 model on the kernel attends in C, one query at a time)
+    monkeypatch.setattr(type(target), "kernel_attention", property(lambda self: False))
     texts = [TEXTS[0], TEXTS[1] * 150, TEXTS[2], TEXTS[3] * 150]  # 2, 150, 3 and 300 tokens
     ids = [target.tokenizer.encode(t) for t in texts]
     nxt = torch.tensor([[5, 9, 2]] * len(ids))

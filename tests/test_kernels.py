@@ -295,7 +295,7 @@ def test_a_corrupt_build_is_rebuilt_with_one_line(tmp_path):
 def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     """The kernel's sources and a harness (tests/csrc/kernel_asan.c) built with -fsanitize=address:
     odd shapes, every format and path, the fused pre-passes, bias and residual, RoPE + cache
-    write + attention, buffers of their exact size."""
+    write + attention, the float products, buffers of their exact size."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -357,6 +357,112 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0
     compared = int(run.stdout.split(" path runs, ")[1].split()[0])
     assert compared == len(kernels.runnable_isas())  # RoPE + attention ran on every path
+    floats = int(run.stdout.split(" rope_attention runs, ")[1].split()[0])
+    assert floats == 4 * 4 * 2 * 3 * 2 * (compared - 1)  # every float case, SIMD path and thread count
+
+
+# -- float weights (csrc/sdk_fgemm_body.h) --------------------------------------------------------
+
+
+def emulated_float_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float product's definition in numpy float32, independent of the C code: 16 lane sums,
+    lane j += x[i] * w[i] (rounded product, then rounded sum) for i = j, j + 16, ... in order,
+    zero padding past K, then lane j += lane j + s for s = 8, 4, 2, 1; lane 0 is the result."""
+    x, w = x.numpy().astype(np.float32), w.float().numpy().astype(np.float32)
+    (m, k), n = x.shape, w.shape[0]
+    kp = -(-k // 16) * 16
+    xp, wp = np.zeros((m, kp), np.float32), np.zeros((n, kp), np.float32)
+    xp[:, :k], wp[:, :k] = x, w
+    acc = np.zeros((m, n, 16), np.float32)
+    for i in range(0, kp, 16):
+        acc = acc + xp[:, None, i : i + 16] * wp[None, :, i : i + 16]
+    for s in (8, 4, 2, 1):
+        acc = acc + acc[..., np.arange(16) % (2 * s) ^ s if s < 8 else np.r_[8:16, 0:8]]
+    return torch.from_numpy(acc[..., 0].copy())
+
+
+def float_case(rng: np.random.Generator, m: int, n: int, k: int, dtype: torch.dtype):
+    """Rows and an [n, k] weight over ten decades, with rows of +-1 and of the largest values."""
+    x = (rng.standard_normal((m, k)) * np.logspace(-5, 5, m)[:, None]).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * np.logspace(-5, 5, n)[:, None]).astype(np.float32)
+    x[0] = 1.0
+    w[0, ::2], w[0, 1::2] = 1e5, -1e5
+    return torch.from_numpy(x), torch.from_numpy(w).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(9, 576), (40, 300), (3, 7), (17, 16)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_float_path_gives_the_emulated_products_bits(dtype, shape):
+    """Every path this CPU runs (each forced) equals the numpy emulation of the defined order bit
+    for bit: float32 and bfloat16 weights, widths that are not whole vectors, 1-16 and 64 rows."""
+    rng = np.random.default_rng(shape[1])
+    x, w = float_case(rng, 64, *shape, dtype)
+    want = emulated_float_product(x, w)
+    for isa in kernels.runnable_isas():
+        for m in ROWS:
+            assert torch.equal(kernels.float_linear(x[:m], w, isa=isa), want[:m]), (isa, m)
+
+
+def test_the_emulation_tells_a_fused_multiply_add_from_the_defined_order():
+    """Negative control for the emulation test: a product computed with fused multiply-adds or in
+    one torch GEMM differs from the defined order's bits, so the test above can fail."""
+    x, w = float_case(np.random.default_rng(0), 16, 24, 576, torch.float32)
+    want = emulated_float_product(x, w)
+    assert not torch.equal(x @ w.T, want)
+    fused = torch.from_numpy(
+        np.array([[np.float32(sum(np.float64(a) * np.float64(b) for a, b in zip(r, c))) for c in w.numpy()]
+                  for r in x.numpy()])  # fmt: skip
+    )
+    assert not torch.equal(fused, want)
+
+
+def test_a_float_products_row_is_the_same_whatever_the_row_count_and_its_place():
+    x, w = float_case(np.random.default_rng(5), 13, 70, 333, torch.float32)
+    for weight in (w, w.bfloat16()):
+        alone = torch.cat([kernels.float_linear(x[i : i + 1], weight) for i in range(13)])
+        assert torch.equal(kernels.float_linear(x, weight), alone)
+        order = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(kernels.float_linear(x[order], weight, threads=1), alone[order])
+
+
+@pytest.mark.parametrize("isa", SIMD)
+def test_a_float_path_one_ulp_off_in_one_column_fails_the_self_check(isa):
+    """Negative control: with the test fault each SIMD path moves row 0, column 3 of a float
+    product by one ulp (and nothing else); the self-check's float cases refuse it."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    x, w = float_case(np.random.default_rng(1), 5, 9, 40, torch.float32)
+    want = kernels.float_linear(x, w, isa="ref")
+    kernels.set_fault(True)
+    try:
+        got = kernels.float_linear(x, w, isa=isa)
+        assert not kernels._float_products_match(np.random.default_rng(0), isa)
+    finally:
+        kernels.set_fault(False)
+    assert (got != want).nonzero().tolist() == [[0, 3]]
+    assert kernels._float_products_match(np.random.default_rng(0), isa)
+
+
+def test_a_float_pre_pass_bias_and_residual_are_the_torch_layers_within_rounding():
+    """RMSNorm / SwiGLU before the float product and bias + residual after it compute what the
+    torch layers compute (to float32 rounding)."""
+    g = torch.Generator().manual_seed(2)
+    x, w, nw = (torch.randn(*shape, generator=g) for shape in ((6, 2 * 48), (20, 48), (48,)))
+    bias, res = torch.randn(20, generator=g), torch.randn(6, 20, generator=g)
+    h = x[:, :48]
+    normed = h * nw / torch.sqrt((h * h).sum(-1, keepdim=True) + 0.5)
+    got = kernels.float_linear(h, w, pre="rms_norm", pre_weight=nw, eps=0.5, bias=bias, residual=res)
+    assert torch.allclose(got, normed @ w.T + bias + res, atol=1e-4, rtol=1e-4)
+    glu = torch.nn.functional.silu(x[:, :48]) * x[:, 48:]
+    got = kernels.float_linear(x, w, pre="swiglu")
+    assert torch.allclose(got, glu @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_a_float_product_refuses_a_bad_weight_with_one_line():
+    with pytest.raises(SpecDecodeError, match="float32 or bfloat16"):
+        kernels.float_linear(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.float16))
+    with pytest.raises(SpecDecodeError, match="input width 8 does not match"):
+        kernels.float_linear(torch.ones(2, 8), torch.ones(4, 9))
 
 
 # -- a model on the kernel -------------------------------------------------------------------------
@@ -384,8 +490,23 @@ def test_a_kq_model_holds_q4_k_and_q8_0_blocks_and_runs_near_its_float_self(kq_p
     assert torch.nn.functional.cosine_similarity(lq.flatten(), lf.flatten(), 0) > 0.85
 
 
-def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kq_pair):
-    target, draft = kq_pair
+@pytest.fixture(scope="module", params=["kq", "fp32"])
+def kernel_pair(request, kq_pair, tmp_path_factory):
+    """A pair on the kernel: kq blocks, or float32 weights on its float product (the default
+    layout of a float32 model where the kernel is built)."""
+    if request.param == "kq":
+        return kq_pair
+    root = tmp_path_factory.mktemp("kf")
+    t = init_model(
+        root / "t", vocab=64, layers=2, dim=96, heads=4, kv_heads=2, intermediate=80, seed=7, init_std=0.2
+    )
+    target, draft = load(t), load(noisy_copy(t, root / "d", noise=0.1, seed=8))
+    assert {lin.layout for _, lin in target.linears()} == {"kernel"}
+    return target, draft
+
+
+def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kernel_pair):
+    target, draft = kernel_pair
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
@@ -396,18 +517,18 @@ def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kq_pair):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "torch-layers"])
 def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(
-    kq_pair, fused, monkeypatch
+    kernel_pair, fused, monkeypatch
 ):
     """A kq model attends in the kernel: greedy speculation with a draft tree, a batch of rows of
     different lengths and a row admitted mid-run all give target-only's tokens alone, as the
     batch-invariant forward promises; with the fused layers (norms, RoPE, cache write,
     attention, SwiGLU and residuals in C) and with the layers in torch around KernelAttention
-    (a kq model in bf16 or with Qwen3's q/k norms takes those)."""
+    (a kq model in bf16 or with Qwen3's q/k norms takes those); kq and float32 weights."""
     import specdecode.kernels as kernels
     from specdecode.models.invariant import KernelAttention
     from specdecode.models.llama import LlamaModel
 
-    target, draft = kq_pair
+    target, draft = kernel_pair
     assert target.kernel_attention and target.fused_layers
     if not fused:
         monkeypatch.setattr(LlamaModel, "fused_layers", property(lambda self: False))
@@ -470,8 +591,8 @@ def test_the_kernel_attention_of_a_query_is_the_same_alone_and_among_others():
             assert torch.allclose(out[b, t].view(Hkv, H // Hkv, D).double(), ref, atol=1e-5)
 
 
-def test_a_prefill_writes_the_keys_and_values_one_token_steps_write(kq_pair):
-    target, _ = kq_pair
+def test_a_prefill_writes_the_keys_and_values_one_token_steps_write(kernel_pair):
+    target, _ = kernel_pair
     seq = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
     whole, steps = target.new_cache(1, 48, invariant=True), target.new_cache(1, 48, invariant=True)
     logits = target.forward(seq, whole)[0][0]

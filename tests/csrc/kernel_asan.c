@@ -2,7 +2,7 @@
  * cases written by the test (weight tiles and rows in buffers of their exact size), runs every
  * path this CPU runs and compares each to the scalar reference bit for bit, with the fused
  * layers' pre-pass (none, RMSNorm, SwiGLU), bias and residual; then RoPE + cache write +
- * attention on buffers of their exact size. AddressSanitizer aborts on any read or write past a
+ * attention, and the float products, on buffers of their exact size. AddressSanitizer aborts on any read or write past a
  * buffer; a mismatch exits 1. */
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +16,9 @@ int sdk_rope_attention(const float *qkv, long ldq, const float *cos, const float
                        float *keys, long kb, long kh, long ks, float *values, long vc, long vb, long vh,
                        const int32_t *slots, int cap, const int32_t *idx, const int32_t *n, int B, int T, int H,
                        int Hkv, int D, int N, float scale, float *qbuf, float *out, int nthreads, int isa);
+int sdk_float_linear(const float *x, long ldx, int m, int pre, const float *pre_w, float eps, const void *w, int wt,
+                     long ldw, int n, int k, const float *bias, const float *res, long ldr, float *y, long ldy,
+                     int isa, int nthreads);
 int sdk_isa_runs(int isa);
 
 static float *filled(size_t count, unsigned seed) {
@@ -62,6 +65,53 @@ static int rope_cases(void) {
     return runs;
 }
 
+/* float products (float32 and bfloat16 weights) on buffers of their exact size: odd widths,
+ * 1-17 rows, each pre-pass, bias and residual; every SIMD path against the reference. Returns
+ * the number of path runs compared, or -1. */
+static int float_cases(void) {
+    static const int shapes[][2] = {{1, 1}, {3, 7}, {17, 33}, {5, 300}};
+    static const int rows[] = {1, 3, 9, 17};
+    int runs = 0;
+    for (int s = 0; s < 4; s++)
+        for (int ri = 0; ri < 4; ri++)
+            for (int wt = 0; wt < 2; wt++)
+                for (int pre = 0; pre < 3; pre++) {
+                    const int n = shapes[s][0], k = shapes[s][1], m = rows[ri], width = pre == 2 ? 2 * k : k;
+                    float *wf = filled((size_t)n * k, 11), *x = filled((size_t)m * width, 12);
+                    float *nw = filled((size_t)k, 13), *bias = filled((size_t)n, 14), *res = filled((size_t)m * n, 15);
+                    float *want = malloc(sizeof(float) * (size_t)m * n), *got = malloc(sizeof(float) * (size_t)m * n);
+                    void *w = wf;
+                    if (wt == 1) { /* the same values' upper halves, in a buffer of n * k bfloat16 */
+                        uint16_t *h = malloc(sizeof(uint16_t) * (size_t)n * k);
+                        for (size_t i = 0; i < (size_t)n * k; i++) {
+                            uint32_t u;
+                            memcpy(&u, &wf[i], 4);
+                            h[i] = (uint16_t)(u >> 16);
+                        }
+                        w = h;
+                    }
+                    const float *b = pre ? bias : 0, *r = pre ? res : 0;
+                    if (sdk_float_linear(x, width, m, pre, nw, 0.5f, w, wt, k, n, k, b, r, n, want, n, 0, 1) != 0)
+                        return -1;
+                    for (int isa = 1; isa < 4; isa++) {
+                        if (!sdk_isa_runs(isa)) continue;
+                        for (int threads = 1; threads <= 2; threads++) {
+                            if (sdk_float_linear(x, width, m, pre, nw, 0.5f, w, wt, k, n, k, b, r, n, got, n, isa,
+                                                 threads) != 0 ||
+                                memcmp(got, want, sizeof(float) * (size_t)m * n) != 0) {
+                                fprintf(stderr, "float product: path %d differs (%d x %d, %d rows, wt %d, pre %d)\n",
+                                        isa, n, k, m, wt, pre);
+                                return -1;
+                            }
+                            runs++;
+                        }
+                    }
+                    if (w != wf) free(w);
+                    free(wf); free(x); free(nw); free(bias); free(res); free(want); free(got);
+                }
+    return runs;
+}
+
 int main(int argc, char **argv) {
     FILE *f = fopen(argv[1], "rb");
     if (!f) return 2;
@@ -94,8 +144,8 @@ int main(int argc, char **argv) {
         free(w); free(x); free(want); free(got); free(nw); free(bias); free(res);
         cases++;
     }
-    int rope = rope_cases();
-    if (rope < 0) return 1;
-    printf("%d cases, %d path runs, %d rope_attention runs\n", cases, paths, rope);
+    int rope = rope_cases(), floats = float_cases();
+    if (rope < 0 || floats < 0) return 1;
+    printf("%d cases, %d path runs, %d rope_attention runs, %d float product runs\n", cases, paths, rope, floats);
     return 0;
 }

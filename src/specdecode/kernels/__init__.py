@@ -28,7 +28,7 @@ from .build import BuildError, built_library
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 3
+ABI = 4
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "chosen_isa",
     "linear",
     "linear_parts",
+    "float_linear",
     "rope_attention",
     "quantize_q4_k",
     "quantize_q8_0",
@@ -120,6 +121,8 @@ def _lib() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.sdk_attention.argtypes = [P, L, L, P, L, L, L, P, L, L, L, P, P, i, i, i, i, i, i, f, P, i, i]
     lib.sdk_attention.restype = ctypes.c_int
+    lib.sdk_float_linear.argtypes = [P, L, i, i, P, f, P, i, L, i, i, P, P, L, P, L, i, i]
+    lib.sdk_float_linear.restype = ctypes.c_int
     return lib
 
 
@@ -276,6 +279,55 @@ def linear_parts(
         if rc != 0:
             raise _refused(rc, f"a product ({ISAS[i]}, {m} rows x {p.kind} {p.out_features}x{k})")
         col += p.out_features
+    return y
+
+
+FLOAT_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1}  # sdk_float_linear's weight types
+
+
+def float_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    isa: str | None = None,
+    threads: int | None = None,
+    *,
+    pre: str | None = None,
+    pre_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, in] float -> x W^T [M, out] float32 with weight [out, in] float32 or bfloat16 (rows
+    contiguous), on the chosen path (or `isa`), split over torch's thread count (or `threads`) by
+    output columns (csrc/sdk_fgemm_body.h). Each (row, column) dot product is one fixed sequence
+    of float operations (16 lane sums in K order, a fixed tree), so a row's bits do not depend on
+    the row count, the path or the threads. pre, pre_weight, eps, bias, residual: as `linear`."""
+    lib = _lib()
+    if lib is None:
+        raise SpecDecodeError("the kernel is not built here (no C compiler?); use torch's products")
+    wt = FLOAT_WEIGHTS.get(weight.dtype)
+    if wt is None or weight.dim() != 2 or weight.stride(1) != 1 or weight.device.type != "cpu":
+        raise SpecDecodeError(
+            "float_linear: the weight must be a CPU float32 or bfloat16 [out, in] with rows contiguous"
+        )
+    n, k = weight.shape
+    x = _rows_in(x, k, pre, pre_weight)
+    m = x.shape[0]
+    if residual is not None and (
+        residual.shape != (m, n) or residual.dtype != torch.float32 or residual.stride(1) != 1
+    ):
+        raise SpecDecodeError(f"the residual must be float32 [{m}, {n}] with rows contiguous")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise SpecDecodeError(f"the bias must be a contiguous float32 [{n}]")
+    i = _isa_index(isa)
+    y = torch.empty(m, n)
+    rc = lib.sdk_float_linear(
+        x.data_ptr(), x.stride(0), m, PRE[pre], _ptr(pre_weight), eps, weight.data_ptr(), wt,
+        weight.stride(0), n, k, _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0),
+        y.data_ptr(), n, i, threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise _refused(rc, f"a float product ({ISAS[i]}, {tuple(x.shape)} x {weight.dtype} {n}x{k})")
     return y
 
 
@@ -446,7 +498,32 @@ def _checked(isa: str) -> bool:
         kw = dict(pre=pre, pre_weight=nw if pre == "rms_norm" else None, eps=0.01, bias=bias, residual=res)
         if not torch.equal(linear(xs, packed, isa, 2, **kw), linear(xs, packed, "ref", 1, **kw)):
             return False
+    if not _float_products_match(gen, isa):
+        return False
     return _rope_attention_matches(gen, isa)
+
+
+def _float_products_match(gen: np.random.Generator, isa: str) -> bool:
+    """float_linear on `isa` gives the reference path's bits: float32 and bfloat16 weights, widths
+    that are not whole vectors, 1-17 and 70 rows, 1 and 2 threads, a pre-pass, bias, residual."""
+
+    def draw(*shape):  # values over six decades (row by row for matrices)
+        scale = np.logspace(-3, 3, shape[0])[:, None] if len(shape) == 2 else 1.0
+        return torch.from_numpy((gen.standard_normal(shape) * scale).astype(np.float32))
+
+    for n, k in ((37, 300), (5, 16), (20, 7)):
+        w, x, nw, bias = draw(n, k), draw(70, 2 * k), draw(k), draw(n)
+        for weight in (w, w.bfloat16()):
+            for pre, xs in ((None, x[:, :k]), ("rms_norm", x[:, :k]), ("swiglu", x)):
+                kw = dict(pre=pre, pre_weight=nw if pre == "rms_norm" else None, eps=0.01, bias=bias)
+                ones = torch.ones(70, n)
+                want = float_linear(xs, weight, "ref", 1, **kw, residual=ones)
+                for rows in (1, 2, 3, 5, 8, 9, 17, 70):
+                    for threads in (1, 2):
+                        got = float_linear(xs[:rows], weight, isa, threads, **kw, residual=ones[:rows])
+                        if not torch.equal(got, want[:rows]):
+                            return False
+    return True
 
 
 def _rope_attention_matches(gen: np.random.Generator, isa: str) -> bool:

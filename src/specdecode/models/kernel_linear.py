@@ -18,6 +18,7 @@ from ..kernels import (
     BlockWeight,
     PackedWeight,
     available,
+    float_linear,
     linear,
     linear_parts,
     quantize_q4_k,
@@ -124,11 +125,16 @@ def fused_product(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A kq projection (a KernelLinear, or a ConcatLinear of them) of x float32 rows with the
-    input's pre-pass ("rms_norm" with pre_weight and eps, or "swiglu": silu(gate) * up of rows of
-    2 * in values) done in C before the rows are quantized, and bias and residual added in the
-    product's epilogue: one C call (kernels.linear_parts) instead of a norm, a SiLU and adds in
+    """A kq projection (a KernelLinear, or a ConcatLinear of them) or a float32 Linear on the
+    kernel's float product (layout 'kernel') of x float32 rows with the input's pre-pass
+    ("rms_norm" with pre_weight and eps, or "swiglu": silu(gate) * up of rows of 2 * in values)
+    done in C before the product, and bias and residual added in the product's epilogue: one C
+    call (kernels.linear_parts, kernels.float_linear) instead of a norm, a SiLU and adds in
     torch. The fused layers of LlamaModel (models/llama.py) run every projection this way."""
+    if getattr(lin, "layout", None) == "kernel":
+        return float_linear(
+            x, lin.weight, pre=pre, pre_weight=pre_weight, eps=eps, bias=lin.bias, residual=residual
+        )
     parts = getattr(lin, "parts", [lin])
     return linear_parts(
         x,

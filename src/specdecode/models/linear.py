@@ -11,6 +11,14 @@ bf16/fp16 weight stays [out, in] for F.linear: on such an AVX2 CPU torch.mm over
 bf16 weight ran 20x slower than F.linear (110 vs 4.8 ms for the 1.5B target's gate|up, one row).
 On CUDA it is plain F.linear. Either way one copy of the weight is kept. SPECDECODE_LINEAR=plain
 turns packing off (for measuring it).
+
+Where specdecode's kernel is built (kernels/), a float32 weight on CPU stays [out, in] for its
+float product instead (layout 'kernel', csrc/sdk_fgemm_body.h): every row is one fixed sequence of
+float operations, so the batch-invariant forward needs no row padding, and a model whose
+projections all run there takes the fused C layers (models/llama.py) like a kq model. Products of
+up to KERNEL_ROWS rows run there in the plain forward too (the same bits as the invariant one);
+larger ones (a plain prefill) take F.linear. SPECDECODE_LINEAR=packed (or plain, swapped) keeps
+torch's products.
 """
 
 from __future__ import annotations
@@ -47,6 +55,19 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 PACK_FP32_FROM_BYTES = 2_000_000
+# a plain (not batch-invariant) forward's products of up to this many rows run on the float kernel
+KERNEL_ROWS = 16
+
+
+@functools.cache
+def float_kernel() -> bool:
+    """Whether float32 weights on CPU go to specdecode's float product (built, and not turned off
+    by SPECDECODE_LINEAR=packed|plain|swapped)."""
+    if os.environ.get("SPECDECODE_LINEAR", "auto") != "auto":
+        return False
+    from ..kernels import available
+
+    return available()
 
 
 @functools.cache
@@ -76,6 +97,8 @@ class Linear:
         self.bias = bias
         if weight.device.type != "cpu":
             self.layout = "linear"
+        elif weight.dtype == torch.float32 and float_kernel():
+            self.layout = "kernel"
         elif weight.dtype == torch.float32 and weight.numel() * 4 >= PACK_FP32_FROM_BYTES and swap_fp32():
             self.layout = "swapped"
         elif packing_works(weight.dtype) and (
@@ -93,10 +116,14 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         elif self.layout == "mm":
             self.weight = weight.t().contiguous()
-        elif self.layout == "swapped":
+        elif self.layout in ("swapped", "kernel"):
             self.weight = weight.contiguous()
         else:
             self.weight = weight
+        if self.layout == "kernel":
+            self._row_multiple = 1
+            if bias is not None:
+                self.bias = bias.float().contiguous()
 
     @property
     def row_multiple(self) -> int:
@@ -115,6 +142,11 @@ class Linear:
         """x [N, in] -> [N, out], plus residual [N, out] when given. invariant: a row's result
         does not depend on N (rows padded to `row_multiple`)."""
         n = x.shape[0]
+        if self.layout == "kernel" and (invariant or n <= KERNEL_ROWS):  # bias, residual in C
+            from ..kernels import float_linear
+
+            res = None if residual is None else residual.float().contiguous()
+            return float_linear(x, self.weight, bias=self.bias, residual=res).to(x.dtype)
         if invariant:  # always product, then residual: the same two steps for every row count
             if n % self.row_multiple:
                 x = F.pad(x, (0, 0, 0, self.row_multiple - n % self.row_multiple))
@@ -171,6 +203,10 @@ class Linear:
             return out if b is None else out.add_(b)
         if self.layout == "mm":
             return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+        if self.layout == "kernel" and x.shape[0] <= KERNEL_ROWS:
+            from ..kernels import float_linear
+
+            return float_linear(x, w, bias=b).to(x.dtype)
         return F.linear(x, w, b)
 
 

@@ -365,9 +365,13 @@ class LlamaModel:
 
     @property
     def kernel_attention(self) -> bool:
-        """The batch-invariant forward's attention runs in specdecode's kernel (models on the
-        kq format; models/invariant.py KernelAttention): one C call a layer."""
-        if self.quant != "kq" or self.cfg.linear_layers:
+        """The batch-invariant forward's attention runs in specdecode's kernel (models/invariant.py
+        KernelAttention: one C call a layer, each query alone over the float32 keys and values the
+        invariant cache holds) instead of InvariantAttention's chunked GEMMs: every model on the
+        CPU where the kernel is built (kq, and float models of any dtype)."""
+        if self.cfg.linear_layers or self.device.type != "cpu":
+            return False
+        if self.quant not in (None, "kq"):
             return False
         from ..kernels import available
 
@@ -378,12 +382,14 @@ class LlamaModel:
         """The batch-invariant forward runs each layer as five C calls (models/llama.py
         _fused_attention_block): RMSNorm inside the q|k|v and gate|up products, RoPE, the cache
         write and the attention in one, SwiGLU inside the down product, residuals and biases in
-        the products' epilogue. kq models in float32 without Qwen3's q/k norms or EAGLE-3's input
-        layer; every invariant forward of such a model takes it (prefill, decode, trees, riders),
-        so they all agree bit for bit."""
+        the products' epilogue. Float32 models whose projections all run on the kernel (kq, or
+        float weights in layout 'kernel': models/linear.py) without Qwen3's q/k norms or EAGLE-3's
+        input layer; every invariant forward of such a model takes it (prefill, decode, trees,
+        riders), so they all agree bit for bit."""
         return (
-            self.kernel_attention
-            and self.dtype == torch.float32
+            self.dtype == torch.float32
+            and self.kernel_attention
+            and (self.quant == "kq" or all(getattr(p, "layout", "") == "kernel" for _, p in self.linears()))
             and not self.cfg.qk_norm
             and all(layer.hidden_norm is None for layer in self.layers)
         )

@@ -61,7 +61,8 @@ void sdk_tile_avx2(int, const uint8_t *, int, const sdk_act *, int, int, float *
 void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 
-extern int sdk_fault; /* tests only: a path adds 1 to lane 3 of one integer sum (negative control) */
+extern int sdk_fault; /* tests only: a path adds 1 to lane 3 of one integer sum, and one ulp to column 3
+                       * of row 0 of a float product (negative control) */
 
 static inline float sdk_h2f(uint16_t h) {
     /* IEEE half -> float, exact (F16C's vcvtph2ps gives the same bits) */

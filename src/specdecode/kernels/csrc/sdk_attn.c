@@ -19,6 +19,8 @@
 
 #define ATTN(x) attn_base_##x
 #include "sdk_attn_body.h"
+#define FGEMM_BASE 1 /* the reference build: no test fault */
+#include "sdk_fgemm_body.h"
 
 typedef int (*attn_fn)(const float *, long, long, const float *, long, long, long, const float *, long, long, long,
                        const int32_t *, const int32_t *, int, int, int, int, int, int, float, float *, int);
@@ -77,4 +79,25 @@ int sdk_rope_attention(const float *qkv, long ldq, const float *cos, const float
     if (!fn || !sdk_isa_runs(isa)) return -2;
     return fn(qkv, ldq, cos, sin, cb, ct, keys, kb, kh, ks, values, vc, vb, vh, slots, cap, idx, n, B, T, H, Hkv, D, N,
               scale, qbuf, out, nthreads);
+}
+
+typedef int (*flin_fn)(const float *, long, int, int, const float *, float, const void *, int, long, int, int,
+                       const float *, const float *, long, float *, long, int);
+extern int attn_avx2_float_linear(const float *, long, int, int, const float *, float, const void *, int, long, int,
+                                  int, const float *, const float *, long, float *, long, int) __attribute__((weak));
+extern int attn_avx512_float_linear(const float *, long, int, int, const float *, float, const void *, int, long,
+                                    int, int, const float *, const float *, long, float *, long, int)
+    __attribute__((weak));
+
+/* y [m, n] = pre(x) [m, k] W^T (+ bias) (+ res) with W [n, k] float32 (wt 0) or bfloat16 (wt 1)
+ * (sdk_fgemm_body.h: the same bits on every path). Returns 0, or -1 (bad arguments), -2 (path
+ * not runnable), -3 (out of memory). */
+int sdk_float_linear(const float *x, long ldx, int m, int pre, const float *pre_w, float eps, const void *w, int wt,
+                     long ldw, int n, int k, const float *bias, const float *res, long ldr, float *y, long ldy,
+                     int isa, int nthreads) {
+    flin_fn fn = attn_base_float_linear;
+    if (isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) fn = attn_avx2_float_linear;
+    if (isa == SDK_ISA_AVX512VNNI) fn = attn_avx512_float_linear;
+    if (!fn || !sdk_isa_runs(isa)) return -2;
+    return fn(x, ldx, m, pre, pre_w, eps, w, wt, ldw, n, k, bias, res, ldr, y, ldy, nthreads);
 }

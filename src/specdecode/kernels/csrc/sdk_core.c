@@ -19,7 +19,7 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 
-int sdk_abi_version(void) { return 3; }
+int sdk_abi_version(void) { return 4; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
