@@ -515,29 +515,37 @@ def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kernel_pair
         assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "torch-layers"])
+@pytest.mark.parametrize("path", ["fused-layers", "torch-layers", "torch-rope"])
 def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(
-    kernel_pair, fused, monkeypatch
+    kernel_pair, path, monkeypatch
 ):
-    """A kq model attends in the kernel: greedy speculation with a draft tree, a batch of rows of
-    different lengths and a row admitted mid-run all give target-only's tokens alone, as the
-    batch-invariant forward promises; with the fused layers (norms, RoPE, cache write,
-    attention, SwiGLU and residuals in C) and with the layers in torch around KernelAttention
-    (a kq model in bf16 or with Qwen3's q/k norms takes those); kq and float32 weights."""
+    """A model on the kernel attends in it: greedy speculation with a draft tree, a batch of rows
+    of different lengths and a row admitted mid-run all give target-only's tokens alone, as the
+    batch-invariant forward promises; kq and float32 weights, on each way a layer reaches the
+    attention: the fused layers (norms, RoPE, cache write, attention, SwiGLU and residuals in C),
+    the layers in torch around the C RoPE + cache write + attention (a bf16 model's), and RoPE in
+    torch before KernelAttention (a model with Qwen3's q/k norms: here norms of weight 1)."""
     import specdecode.kernels as kernels
+    import specdecode.models.kernel_linear as kernel_linear
     from specdecode.models.invariant import KernelAttention
     from specdecode.models.llama import LlamaModel
 
     target, draft = kernel_pair
     assert target.kernel_attention and target.fused_layers
-    if not fused:
+    if path != "fused-layers":
         monkeypatch.setattr(LlamaModel, "fused_layers", property(lambda self: False))
+    if path == "torch-rope":
+        for layer in (*target.layers, *draft.layers):
+            monkeypatch.setattr(layer, "qk_norm_s", torch.ones(target.cfg.head_dim))
     seen = []
-    real_call, real_fused = KernelAttention.__call__, kernels.rope_attention
-    monkeypatch.setattr(
-        KernelAttention, "__call__", lambda self, *a: seen.append("torch") or real_call(self, *a)
-    )
-    monkeypatch.setattr(kernels, "rope_attention", lambda *a: seen.append("fused") or real_fused(*a))
+
+    def spy(owner, name, label):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: seen.append(label) or real(*a, **k))
+
+    spy(KernelAttention, "__call__", "attention")
+    spy(kernels, "rope_attention", "rope_attention")
+    spy(kernel_linear, "fused_product", "fused")
     params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]]
     base = SpeculativeGenerator(target, batch_invariant=True)
@@ -550,7 +558,12 @@ def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitte
             next(run)
         run.add(prompts[3], params)
         assert [r.token_ids for r in run.results()] == [want[0], want[1], want[3]], kw
-    assert set(seen) == {"fused" if fused else "torch"}  # the path under test ran, and only it
+    want_seen = {
+        "fused-layers": {"fused", "rope_attention"},
+        "torch-layers": {"rope_attention"},
+        "torch-rope": {"attention"},
+    }
+    assert set(seen) == want_seen[path]  # the path under test ran, and only it
 
 
 def test_the_kernel_attention_of_a_query_is_the_same_alone_and_among_others():

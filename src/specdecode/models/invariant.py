@@ -301,6 +301,7 @@ class KernelAttention:
         self.scale = head_dim**-0.5
         self.dtype = dtype
         self.slots: torch.Tensor | None = None  # [B, T] int32 write slots, set by plan_forward
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE's cos, sin in float32
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         from ..kernels import attention

@@ -11,6 +11,7 @@ transformers.LlamaForCausalLM on the same checkpoint (tests/test_models.py).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -200,6 +201,13 @@ def return_freed_memory() -> None:
         pass
 
 
+@functools.cache
+def _kernel_built() -> bool:
+    from ..kernels import available
+
+    return available()
+
+
 def _rms_norm(
     x: torch.Tensor, scaled_weight: torch.Tensor, d_eps: float, invariant: bool = False
 ) -> torch.Tensor:
@@ -369,13 +377,9 @@ class LlamaModel:
         KernelAttention: one C call a layer, each query alone over the float32 keys and values the
         invariant cache holds) instead of InvariantAttention's chunked GEMMs: every model on the
         CPU where the kernel is built (kq, and float models of any dtype)."""
-        if self.cfg.linear_layers or self.device.type != "cpu":
+        if self.cfg.linear_layers or self.device.type != "cpu" or self.quant not in (None, "kq"):
             return False
-        if self.quant not in (None, "kq"):
-            return False
-        from ..kernels import available
-
-        return available()
+        return _kernel_built()
 
     @property
     def fused_layers(self) -> bool:
@@ -688,6 +692,10 @@ def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
         )
     qkv_all = layer.qkv(h, invariant=inv)
     kv = model.kv_index[i]
+    if inv and layer.qk_norm_s is None and model.kernel_attention:
+        attn = _kernel_rope_attention(qkv_all, kv, jobs, sizes).to(model.dtype)
+        x = layer.o(attn, residual=x, invariant=inv)
+        return _mlp(model, layer, x, jobs[0][2])
     outs, start = [], 0
     for (tokens, cache, plan), n in zip(jobs, sizes):
         B, T = tokens.shape
@@ -705,38 +713,41 @@ def _attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
     return _mlp(model, layer, x, jobs[0][2])
 
 
+def _kernel_rope_attention(qkv_all: torch.Tensor, kv: int, jobs, sizes) -> torch.Tensor:
+    """RoPE, the cache write and the attention of every forward in `jobs` from their q|k|v rows,
+    one C call a forward (kernels.rope_attention, in float32: a bf16 model's rows and tables are
+    widened exactly) -> [rows, H * D] float32. The batch-invariant forward of a model on the
+    kernel's attention takes it, fused layers or not."""
+    from ..kernels import rope_attention
+
+    qkv_all = qkv_all.float()
+    outs, start = [], 0
+    for (_, cache, plan), n in zip(jobs, sizes):
+        qkv = qkv_all if len(jobs) == 1 else qkv_all.narrow(0, start, n)
+        start += n
+        a = plan.attention
+        if a.tables is None:  # once a forward, not a layer
+            a.tables = tuple(t if t.dtype == torch.float32 else t.float() for t in (plan.cos, plan.sin))
+        cos, sin = a.tables
+        outs.append(
+            rope_attention(
+                qkv, plan.shape, cos, sin, cache.layer_k[kv], cache.layer_v[kv], a.slots, a.idx, a.n, a.scale
+            )
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _fused_attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, sizes):
     """_attention_block for a model with fused_layers, in five C calls (kernels/): the input norm
     inside the q|k|v product (biases in its epilogue), RoPE + cache write + attention per forward,
     the output projection with the residual added, the MLP norm inside gate|up, SwiGLU inside the
     down projection with the residual added. Each is computed row by row in a fixed order, so a
     token's bits do not depend on what shares the forward."""
-    from ..kernels import rope_attention
     from .kernel_linear import fused_product
 
     d_eps = jobs[0][2].d_eps
     qkv_all = fused_product(layer.qkv, x, "rms_norm", layer.attn_norm_s, d_eps)
-    kv = model.kv_index[i]
-    outs, start = [], 0
-    for (_, cache, plan), n in zip(jobs, sizes):
-        qkv = qkv_all if len(jobs) == 1 else qkv_all.narrow(0, start, n)
-        start += n
-        a = plan.attention
-        outs.append(
-            rope_attention(
-                qkv,
-                plan.shape,
-                plan.cos,
-                plan.sin,
-                cache.layer_k[kv],
-                cache.layer_v[kv],
-                a.slots,
-                a.idx,
-                a.n,
-                a.scale,
-            )
-        )
-    attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+    attn = _kernel_rope_attention(qkv_all, model.kv_index[i], jobs, sizes)
     x = fused_product(layer.o, attn, residual=x)
     gate_up = fused_product(layer.gate_up, x, "rms_norm", layer.mlp_norm_s, d_eps)
     return fused_product(layer.down, gate_up, "swiglu", residual=x)
