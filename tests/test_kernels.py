@@ -689,7 +689,7 @@ def test_generate_takes_a_gguf_path_and_measures_its_format_by_default(
     assert "no such GGUF file" in capsys.readouterr().err
 
 
-def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(monkeypatch):
+def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(monkeypatch, tmp_path):
     monkeypatch.delenv("SPECDECODE_ISA", raising=False)
     monkeypatch.setattr(kernels, "runnable_isas", lambda: ["ref", "avx2", "avx512vnni"])
     monkeypatch.setattr(kernels, "selfcheck", lambda isa: True)
@@ -698,12 +698,25 @@ def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(mo
         ({"avx2": 1.0, "avx512vnni": 1.1}, "avx512vnni"),
         ({"avx2": 1.0, "avx512vnni": 1.3}, "avx2"),
     ):
+        build = tmp_path / want  # a build of its own: no choice recorded yet
+        build.mkdir()
+        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
         monkeypatch.setattr(kernels, "_timed", lambda isa, weights, s=seconds: s[isa])
         kernels.chosen_isa.cache_clear()
         try:
             assert kernels.chosen_isa() == want, seconds
+            # a later process reads the recorded choice and times nothing
+            monkeypatch.setattr(kernels, "_timed", lambda isa, weights: pytest.fail("timed again"))
+            kernels.chosen_isa.cache_clear()
+            assert kernels.chosen_isa() == want
         finally:
             kernels.chosen_isa.cache_clear()
+    # a record naming a path that is not among the passing ones is measured again
+    record = tmp_path / "avx2" / "choice.json"
+    record.write_text(record.read_text().replace('"avx2"', '"sse9"'))
+    monkeypatch.setattr(kernels, "_timed", lambda isa, weights: {"avx2": 1.0, "avx512vnni": 1.3}[isa])
+    assert kernels.chosen_isa() == "avx2"
+    kernels.chosen_isa.cache_clear()
     monkeypatch.setattr(kernels, "selfcheck", lambda isa: isa == "ref")  # nothing else is exact here
     assert kernels.chosen_isa() == "ref"
     kernels.chosen_isa.cache_clear()

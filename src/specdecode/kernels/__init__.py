@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import sys
 import time
@@ -344,17 +345,23 @@ def rope_attention(
     scale: float,
     threads: int | None = None,
     isa: str | None = None,
+    checked: bool = False,
 ) -> torch.Tensor:
     """A layer's attention from its q|k|v rows in one C call: RoPE on every token's query and key
     heads (x * cos + roll(x, D / 2) * sin, the sign in `sin`), its key and value written at its
     slot, then `attention` over the slots each query sees. qkv [B * T, (H + 2 Hkv) * D] float32
     rows; shape (B, T, H, Hkv, D); cos, sin [1 or B, T, 1, D] float32; keys, values the cache
     layer's (as `attention`); slots [B, T] int32 write slots; idx [B, T, N], n [B, T] int32 ->
-    [B * T, H * D]. Every path gives the same bits."""
+    [B * T, H * D]. Every path gives the same bits. checked: the caller already passed these
+    arguments of this forward through here once (the layers after the first skip the checks;
+    the C code still refuses a slot outside the cache)."""
     lib = _lib()
     if lib is None:
         raise SpecDecodeError("the kernel's attention is not built here (no C compiler?)")
     B, T, H, Hkv, D = shape
+    args = (lib, qkv, shape, cos, sin, keys, values, slots, idx, n, scale, threads, isa)
+    if checked:
+        return _rope_attention_call(*args)
     if qkv.dtype != torch.float32 or qkv.shape != (B * T, (H + 2 * Hkv) * D) or qkv.stride(-1) != 1:
         raise SpecDecodeError("rope_attention: qkv must be float32 [B * T, (H + 2 Hkv) * D] rows")
     for name, t in (("cos", cos), ("sin", sin), ("keys", keys), ("values", values)):
@@ -366,8 +373,13 @@ def rope_attention(
         raise SpecDecodeError("rope_attention: values must be chunk-major [chunks, B, Hkv, 64, D]")
     if slots.dtype != torch.int32 or slots.shape != (B, T) or not slots.is_contiguous():
         raise SpecDecodeError("rope_attention: slots must be int32 [B, T]")
-    cap = min(keys.shape[2], values.shape[0] * 64)  # the C code refuses a slot outside it
     idx, n = idx.to(torch.int32).contiguous(), n.to(torch.int32).contiguous()
+    return _rope_attention_call(*args[:8], idx, n, *args[10:])
+
+
+def _rope_attention_call(lib, qkv, shape, cos, sin, keys, values, slots, idx, n, scale, threads, isa):
+    B, T, H, Hkv, D = shape
+    cap = min(keys.shape[2], values.shape[0] * 64)  # the C code refuses a slot outside it
     cb = cos.stride(0) if cos.shape[0] > 1 else 0
     qbuf, out = torch.empty(B * T * H * D), torch.empty(B * T, H * D)
     rc = lib.sdk_rope_attention(
@@ -565,7 +577,8 @@ def selfcheck(isa: str) -> bool:
 def chosen_isa() -> str:
     """The path products take: SPECDECODE_ISA when set, else of those that pass the self-check
     the widest, unless a narrower one was more than CLEARLY times faster (timed at 1 and 8 rows
-    on 56 MB of Q4_K weights: _timed)."""
+    on 56 MB of Q4_K weights: _timed; the outcome is kept in the build's choice.json per CPU, so
+    later processes run the self-checks only)."""
     forced = os.environ.get("SPECDECODE_ISA")
     if forced:
         if forced not in ISAS:
@@ -581,11 +594,28 @@ def chosen_isa() -> str:
         return "ref"
     if len(passing) == 1:
         return passing[0]
+    # the timing (~0.3 s a process) is kept beside the build, per CPU and set of passing paths
+    from ..autotune import cpu_name
+
+    key, record = f"{cpu_name()} {','.join(passing)}", built_library().parent / "choice.json"
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if known.get(key) in passing:
+        return known[key]
     weights = _timing_weights()  # held for the choice only
     seconds = {isa: _timed(isa, weights) for isa in passing}
     # the widest path unless a narrower one is clearly faster: a timing beside other work on the
     # machine is noisy, and a wrong pick here costs speed only (every path gives the same bits)
-    return next(isa for isa in reversed(passing) if seconds[isa] <= CLEARLY * min(seconds.values()))
+    chosen = next(isa for isa in reversed(passing) if seconds[isa] <= CLEARLY * min(seconds.values()))
+    try:
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: chosen}))
+        tmp.replace(record)
+    except OSError:
+        pass
+    return chosen
 
 
 def _timed(isa: str, weights: list[PackedWeight], rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:

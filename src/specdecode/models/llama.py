@@ -726,12 +726,14 @@ def _kernel_rope_attention(qkv_all: torch.Tensor, kv: int, jobs, sizes) -> torch
         qkv = qkv_all if len(jobs) == 1 else qkv_all.narrow(0, start, n)
         start += n
         a = plan.attention
-        if a.tables is None:  # once a forward, not a layer
+        checked = a.tables is not None  # the first layer of a forward checks its arguments
+        if not checked:  # once a forward, not a layer
             a.tables = tuple(t if t.dtype == torch.float32 else t.float() for t in (plan.cos, plan.sin))
         cos, sin = a.tables
+        keys, values = cache.layer_k[kv], cache.layer_v[kv]
         outs.append(
             rope_attention(
-                qkv, plan.shape, cos, sin, cache.layer_k[kv], cache.layer_v[kv], a.slots, a.idx, a.n, a.scale
+                qkv, plan.shape, cos, sin, keys, values, a.slots, a.idx, a.n, a.scale, checked=checked
             )
         )
     return outs[0] if len(outs) == 1 else torch.cat(outs)
