@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from .errors import SpecDecodeError
 from .formats import FORMATS
+from .paths import cpu_name
 
 # candidates a measurement weighs (q4_k and q8_0 run the int4 / int8 kernels of the GGUF's own
 # blocks: pin them with --dtype; fp16 has no fast CPU kernel)
@@ -189,18 +189,6 @@ class Choice:
         d["target_costs"] = [FormatCosts(**c) for c in d.get("target_costs", [])]
         d["draft_costs"] = [FormatCosts(**c) for c in d.get("draft_costs", [])]
         return Choice(**d)
-
-
-def cpu_name() -> str:
-    """The CPU's model name and its vector extensions that change which kernels run."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    keep = sorted(f for f in set(flags) if f.startswith(("avx512", "avx2", "amx", "avx_vnni", "fma")))
-    return f"{model} [{' '.join(keep)}]"
 
 
 def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
+from ..paths import cpu_name
 from .blocks import CODE, BlockWeight, quantize_q4_k, quantize_q8_0
 from .build import BuildError, built_library
 
@@ -595,8 +596,6 @@ def chosen_isa() -> str:
     if len(passing) == 1:
         return passing[0]
     # the timing (~0.3 s a process) is kept beside the build, per CPU and set of passing paths
-    from ..autotune import cpu_name
-
     key, record = f"{cpu_name()} {','.join(passing)}", built_library().parent / "choice.json"
     try:
         known = json.loads(record.read_text())
