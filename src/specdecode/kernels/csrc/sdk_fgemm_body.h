@@ -26,7 +26,7 @@
 #if defined(__AVX512F__)
 #define FB_M 8 /* input rows a block: 16 sums in 32 registers */
 #else
-#define FB_M 4 /* AVX2: 8 sums of two registers each, in 16 */
+#define FB_M 2 /* AVX2 (explicit intrinsics below): 4 sums of two registers */
 #endif
 #define FB_PANEL 16 /* blocks a panel */
 #ifndef FB_AHEAD
@@ -100,6 +100,96 @@ static inline __attribute__((always_inline)) void ATTN(fblock)(const float *x, l
         for (int j = 0; j < NB; j++) out[r * FB_N + j] = ATTN(lanes_sum)(acc[r][j]);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The AVX2 build: GCC keeps 64-byte vectors on the stack without AVX-512, so here the 16 lanes are
+ * two registers (lanes 0-7, 8-15) in intrinsics, the same IEEE operations lane by lane, and the
+ * same tree: lane j + lane j + 8 is the sum of the halves, then j + 4 (the halves of that), j + 2,
+ * j + 1 (a + b == b + a exactly, so the operands' order within a sum does not matter). */
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) void ATTN(wload2)(const void *w, int wt, long off, __m256 *lo,
+                                                                 __m256 *hi) {
+    if (wt == 0) {
+        *lo = _mm256_loadu_ps((const float *)w + off);
+        *hi = _mm256_loadu_ps((const float *)w + off + 8);
+        return;
+    }
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off));
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+    *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+}
+
+static inline __attribute__((always_inline)) float ATTN(lanes_sum2)(__m256 lo, __m256 hi) {
+    const __m256 b = _mm256_add_ps(lo, hi);
+    const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    const __m128 d = _mm_add_ps(c, _mm_shuffle_ps(c, c, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+static inline __attribute__((always_inline)) void ATTN(fblock2)(const float *x, long ldx, const void *w, int wt,
+                                                                  long ldw, int k, int MB, int NB, float *out) {
+    __m256 lo[FB_M][FB_N], hi[FB_M][FB_N];
+    for (int r = 0; r < MB; r++)
+        for (int j = 0; j < NB; j++) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + LANES <= k; i += LANES) {
+        __m256 wl[FB_N], wh[FB_N];
+        for (int j = 0; j < NB; j++) {
+            __builtin_prefetch((const char *)w + ((long)j * ldw + i) * (wt ? 2 : 4) + FB_AHEAD, 0, 3);
+            ATTN(wload2)(w, wt, (long)j * ldw + i, &wl[j], &wh[j]);
+        }
+        for (int r = 0; r < MB; r++) {
+            const __m256 xl = _mm256_loadu_ps(x + (long)r * ldx + i), xh = _mm256_loadu_ps(x + (long)r * ldx + i + 8);
+            for (int j = 0; j < NB; j++) {
+                lo[r][j] = _mm256_add_ps(lo[r][j], _mm256_mul_ps(xl, wl[j]));
+                hi[r][j] = _mm256_add_ps(hi[r][j], _mm256_mul_ps(xh, wh[j]));
+            }
+        }
+    }
+    if (i < k) { /* the tail, zero-padded as in the generic block */
+        const int rest = k - i;
+        float wt32[FB_N][LANES], xt[LANES];
+        for (int j = 0; j < NB; j++) {
+            memset(wt32[j], 0, sizeof wt32[j]);
+            if (wt == 0) {
+                memcpy(wt32[j], (const float *)w + (long)j * ldw + i, sizeof(float) * (size_t)rest);
+            } else {
+                const uint16_t *h = (const uint16_t *)w + (long)j * ldw + i;
+                for (int l = 0; l < rest; l++) {
+                    uint32_t u = (uint32_t)h[l] << 16;
+                    memcpy(&wt32[j][l], &u, 4);
+                }
+            }
+        }
+        for (int r = 0; r < MB; r++) {
+            memset(xt, 0, sizeof xt);
+            memcpy(xt, x + (long)r * ldx + i, sizeof(float) * (size_t)rest);
+            const __m256 xl = _mm256_loadu_ps(xt), xh = _mm256_loadu_ps(xt + 8);
+            for (int j = 0; j < NB; j++) {
+                lo[r][j] = _mm256_add_ps(lo[r][j], _mm256_mul_ps(xl, _mm256_loadu_ps(wt32[j])));
+                hi[r][j] = _mm256_add_ps(hi[r][j], _mm256_mul_ps(xh, _mm256_loadu_ps(wt32[j] + 8)));
+            }
+        }
+    }
+    for (int r = 0; r < MB; r++)
+        for (int j = 0; j < NB; j++) out[r * FB_N + j] = ATTN(lanes_sum2)(lo[r][j], hi[r][j]);
+}
+
+static void ATTN(fblock_any)(const float *x, long ldx, const void *w, int wt, long ldw, int k, int mb, int nb,
+                             float *out) {
+    if (nb == FB_N) {
+        if (mb == 2)
+            ATTN(fblock2)(x, ldx, w, wt, ldw, k, 2, FB_N, out);
+        else
+            ATTN(fblock2)(x, ldx, w, wt, ldw, k, 1, FB_N, out);
+        return;
+    }
+    for (int r = 0; r < mb; r++)
+        for (int j = 0; j < nb; j++)
+            ATTN(fblock2)(x + (long)r * ldx, ldx, (const char *)w + (long)j * ldw * (wt ? 2 : 4), wt, ldw, k, 1, 1,
+                          out + r * FB_N + j);
+}
+#else
 /* the block for MB rows (1..FB_M) and NB columns (FB_N or fewer at a range's end) */
 static void ATTN(fblock_any)(const float *x, long ldx, const void *w, int wt, long ldw, int k, int mb, int nb,
                              float *out) {
@@ -122,6 +212,7 @@ static void ATTN(fblock_any)(const float *x, long ldx, const void *w, int wt, lo
             ATTN(fblock)(x + (long)r * ldx, ldx, (const char *)w + (long)j * ldw * (wt ? 2 : 4), wt, ldw, k, 1, 1,
                          out + r * FB_N + j);
 }
+#endif
 
 /* y [m, n] (ldy apart) = x [m, k] (ldx apart) W^T, W [n, k] (ldw elements apart, type wt), then
  * + bias [n], + res [m, n] (ldr apart) when given, in that order. Columns split over nthreads
