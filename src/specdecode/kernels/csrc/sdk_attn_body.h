@@ -23,6 +23,42 @@ static inline sdk_vf sdk_ld(const float *p) { sdk_vf v; memcpy(&v, p, sizeof v);
 static inline void sdk_st(float *p, sdk_vf v) { memcpy(p, &v, sizeof v); }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The AVX2 build: without AVX-512, GCC keeps the 64-byte vector type on the stack, so the hot
+ * loops below are written in intrinsics, 16 lanes as two registers (lanes 0-7, 8-15): the same
+ * IEEE operations lane by lane and the same reduction tree (lane j + lane j + 8 is the sum of
+ * the two registers, then j + 4 the sum of its halves, then j + 2, j + 1; a + b == b + a exactly,
+ * so the order of two operands never matters). */
+#include <immintrin.h>
+#define SDK_AVX2_BLOCKS 1
+
+static inline __attribute__((always_inline)) float ATTN(lanes_sum2)(__m256 lo, __m256 hi) {
+    const __m256 b = _mm256_add_ps(lo, hi);
+    const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    const __m128 d = _mm_add_ps(c, _mm_shuffle_ps(c, c, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+static inline float ATTN(dot)(const float *a, const float *b, int d) {
+    __m256 l = _mm256_setzero_ps(), h = l, l2 = l, h2 = l;
+    int i = 0;
+    for (; i + 2 * LANES <= d; i += 2 * LANES) {
+        l = _mm256_add_ps(l, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        h = _mm256_add_ps(h, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+        l2 = _mm256_add_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16)));
+        h2 = _mm256_add_ps(h2, _mm256_mul_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24)));
+    }
+    if (i < d) { /* the tail, element by element into lane j % 16, as the generic build */
+        float t[LANES];
+        _mm256_storeu_ps(t, l);
+        _mm256_storeu_ps(t + 8, h);
+        for (int j = 0; i + j < d; j++) t[j % LANES] += a[i + j] * b[i + j];
+        l = _mm256_loadu_ps(t);
+        h = _mm256_loadu_ps(t + 8);
+    }
+    return ATTN(lanes_sum2)(_mm256_add_ps(l, l2), _mm256_add_ps(h, h2));
+}
+#else
 static inline float ATTN(dot)(const float *a, const float *b, int d) {
     /* two sets of 16 partial sums (blocks of 16 alternate between them: two dependency chains),
      * added lane by lane, then reduced in a fixed tree (lane j += lane j + s for s = 8, 4, 2, 1) */
@@ -40,6 +76,8 @@ static inline float ATTN(dot)(const float *a, const float *b, int d) {
     acc += __builtin_shuffle(acc, (sdk_vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
     return acc[0];
 }
+
+#endif
 
 /* x[p] = exp(x[p]) for x <= 0 (a softmax's x - max), in place: 2^r * e^(f ln 2) with r the
  * nearest integer (the 1.5 * 2^23 trick) and a degree-7 Taylor polynomial (relative error below
@@ -144,6 +182,19 @@ static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long
         const float *wg = w + (long)g * n;
         float *og = o + (long)g * D;
         int d0 = 0;
+#ifdef SDK_AVX2_BLOCKS
+        for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) { /* 64 lanes as 8 registers */
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int p = 0; p < n; p++) {
+                const int s = idx[p];
+                const float *v = vbase + (long)(s / CHUNK) * vc + (long)(s % CHUNK) * D + d0;
+                const __m256 wp = _mm256_set1_ps(wg[p]);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(wp, _mm256_loadu_ps(v + 8 * u)));
+            }
+            for (int u = 0; u < 8; u++) _mm256_storeu_ps(og + d0 + 8 * u, acc[u]);
+        }
+#endif
         for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) {
             sdk_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int p = 0; p < n; p++) {

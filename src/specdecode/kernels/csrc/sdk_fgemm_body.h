@@ -101,11 +101,8 @@ static inline __attribute__((always_inline)) void ATTN(fblock)(const float *x, l
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-/* The AVX2 build: GCC keeps 64-byte vectors on the stack without AVX-512, so here the 16 lanes are
- * two registers (lanes 0-7, 8-15) in intrinsics, the same IEEE operations lane by lane, and the
- * same tree: lane j + lane j + 8 is the sum of the halves, then j + 4 (the halves of that), j + 2,
- * j + 1 (a + b == b + a exactly, so the operands' order within a sum does not matter). */
-#include <immintrin.h>
+/* The AVX2 build (see sdk_attn_body.h: 16 lanes as two registers in intrinsics, ATTN(lanes_sum2)
+ * the same tree as ATTN(lanes_sum)). */
 
 static inline __attribute__((always_inline)) void ATTN(wload2)(const void *w, int wt, long off, __m256 *lo,
                                                                  __m256 *hi) {
@@ -117,13 +114,6 @@ static inline __attribute__((always_inline)) void ATTN(wload2)(const void *w, in
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off));
     *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
     *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
-}
-
-static inline __attribute__((always_inline)) float ATTN(lanes_sum2)(__m256 lo, __m256 hi) {
-    const __m256 b = _mm256_add_ps(lo, hi);
-    const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    const __m128 d = _mm_add_ps(c, _mm_shuffle_ps(c, c, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
 static inline __attribute__((always_inline)) void ATTN(fblock2)(const float *x, long ldx, const void *w, int wt,
