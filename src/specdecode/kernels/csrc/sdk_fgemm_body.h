@@ -55,6 +55,22 @@ static inline __attribute__((always_inline)) float ATTN(lanes_sum)(sdk_vf acc) {
     return acc[0];
 }
 
+/* the last `rest` (< 16) weights of NB rows from element i, as float32 zero-padded to 16 lanes */
+static inline void ATTN(wtail)(const void *w, int wt, long ldw, int i, int rest, int NB, float wt32[][LANES]) {
+    for (int j = 0; j < NB; j++) {
+        memset(wt32[j], 0, sizeof(float) * LANES);
+        if (wt == 0) {
+            memcpy(wt32[j], (const float *)w + (long)j * ldw + i, sizeof(float) * (size_t)rest);
+        } else {
+            const uint16_t *h = (const uint16_t *)w + (long)j * ldw + i;
+            for (int l = 0; l < rest; l++) {
+                uint32_t u = (uint32_t)h[l] << 16;
+                memcpy(&wt32[j][l], &u, 4);
+            }
+        }
+    }
+}
+
 /* out[r * FB_N + j] = dot(x row r, w row j) for r < MB, j < NB (MB <= FB_M, NB <= FB_N constants
  * at each call site, so the sums live in registers). */
 static inline __attribute__((always_inline)) void ATTN(fblock)(const float *x, long ldx, const void *w, int wt,
@@ -77,18 +93,7 @@ static inline __attribute__((always_inline)) void ATTN(fblock)(const float *x, l
     if (i < k) { /* the tail, zero-padded */
         const int rest = k - i;
         float wt32[FB_N][LANES], xt[LANES];
-        for (int j = 0; j < NB; j++) {
-            memset(wt32[j], 0, sizeof wt32[j]);
-            if (wt == 0) {
-                memcpy(wt32[j], (const float *)w + (long)j * ldw + i, sizeof(float) * (size_t)rest);
-            } else {
-                const uint16_t *h = (const uint16_t *)w + (long)j * ldw + i;
-                for (int l = 0; l < rest; l++) {
-                    uint32_t u = (uint32_t)h[l] << 16;
-                    memcpy(&wt32[j][l], &u, 4);
-                }
-            }
-        }
+        ATTN(wtail)(w, wt, ldw, i, rest, NB, wt32);
         for (int r = 0; r < MB; r++) {
             memset(xt, 0, sizeof xt);
             memcpy(xt, x + (long)r * ldx + i, sizeof(float) * (size_t)rest);
@@ -139,18 +144,7 @@ static inline __attribute__((always_inline)) void ATTN(fblock2)(const float *x, 
     if (i < k) { /* the tail, zero-padded as in the generic block */
         const int rest = k - i;
         float wt32[FB_N][LANES], xt[LANES];
-        for (int j = 0; j < NB; j++) {
-            memset(wt32[j], 0, sizeof wt32[j]);
-            if (wt == 0) {
-                memcpy(wt32[j], (const float *)w + (long)j * ldw + i, sizeof(float) * (size_t)rest);
-            } else {
-                const uint16_t *h = (const uint16_t *)w + (long)j * ldw + i;
-                for (int l = 0; l < rest; l++) {
-                    uint32_t u = (uint32_t)h[l] << 16;
-                    memcpy(&wt32[j][l], &u, 4);
-                }
-            }
-        }
+        ATTN(wtail)(w, wt, ldw, i, rest, NB, wt32);
         for (int r = 0; r < MB; r++) {
             memset(xt, 0, sizeof xt);
             memcpy(xt, x + (long)r * ldx + i, sizeof(float) * (size_t)rest);
