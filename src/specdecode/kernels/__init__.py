@@ -30,7 +30,7 @@ from .build import BuildError, built_library
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 4
+ABI = 5
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [

@@ -5,7 +5,8 @@ A `BlockWeight` is a matrix as a GGUF stores it: `raw` [rows, bytes per row] in 
 block layout, so a file's tensor is used byte for byte (rows may be reordered, stacked or
 selected without touching a block). `tiles()` lays the blocks out for the kernel:
 groups of 16 output rows, per block their integers first (4 inputs x 16 rows per 64 bytes, the
-order a vpdpbusd reads), then the scales; sdk.h gives the record sizes.
+order a vpdpbusd reads), then the scales (Q4_K and Q6_K within each block's record, Q8_0 and Q5_0
+after all of a tile's integers); sdk.h gives the record sizes.
 
 Layouts (ggml's, ggml-common.h): Q4_K, 144 bytes per 256: fp16 d, fp16 dmin, 12 bytes of 6-bit
 scales and mins, 128 bytes of nibbles (chunk c of 64: low nibbles inputs c*64..+31, high ones
@@ -27,7 +28,7 @@ TILE = 16
 BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22)}  # inputs, bytes
 RECORD = {
     "q4_k": 2048 + 128 + 128 + 32 + 32,
-    "q6_k": 2048 + 1024 + 256 + 32,
+    "q6_k": 2048 + 1024 + 256 + 32 + 32,
     "q8_0": 512 + 32,
     "q5_0": 320 + 32,
 }
@@ -87,7 +88,7 @@ class BlockWeight:
         return w.reshape(n, -1)[:, : self.in_features].astype(np.float32)
 
     def tiles(self) -> np.ndarray:
-        """The kernel's layout: uint8 [ceil(rows / 16), blocks, record bytes] (Q6_K and Q8_0: a
+        """The kernel's layout: uint8 [ceil(rows / 16), blocks, record bytes] (Q8_0 and Q5_0: a
         tile's integers for every block first, then its scales; sdk.h)."""
         pad = -self.raw.shape[0] % TILE
         raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
@@ -221,10 +222,13 @@ def _tiles_q6_k(raw):
     hb = sum(hi[..., i, :] << (2 * i) for i in range(4)).astype(np.uint8)  # [t, 16, nb, 8, 2, 4]
     hb = hb.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 8, 128)
     lo = _nibble_tiles(q & 15).reshape(t, nb, 8, 256)  # per 32 inputs: 256 bytes of nibbles, 128 of pairs
-    scales = _per_row(sc.astype(np.int8).view(np.uint8), t)
+    # the 16 scales of a column in pairs: byte p * 32 + c * 2 + i = column c's scale of sub-block 2p + i
+    scales = sc.astype(np.int8).view(np.uint8).reshape(t, TILE, nb, 8, 2)
+    scales = scales.transpose(0, 2, 3, 1, 4).reshape(t, nb, 256)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
     ints = np.concatenate([lo, hb], -1).reshape(t, nb, 3072)
-    return _ints_then_scales(ints, np.concatenate([scales, f16], -1))
+    # a block's record: its integers, its scales, padded to 53 cache lines (one read stream)
+    return np.concatenate([ints, scales, f16, np.zeros((t, nb, 32), np.uint8)], -1)
 
 
 def _ints_then_scales(ints: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -23,13 +23,16 @@ enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
 
 /* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0: a block of 32). Q4_K's
- * record (37 cache lines) holds everything; Q6_K and Q8_0 keep a tile's integers first, every
- * block's at a whole number of cache lines (Q5_0 likewise) (no 64-byte load straddles two), then its scales:
- * block b's integers at b * SDK_Q6K_INTS (SDK_Q8_INTS), its scales at nblk * INTS + b * SCALES */
+ * record (37 cache lines) holds everything, and so does Q6_K's (53 lines: its integers, then its
+ * scales, padded to a whole line: one read stream a thread; the 16 scales of a column as pairs,
+ * byte p * 32 + c * 2 + i = column c's scale of sub-block 2p + i, the int16 pairs vpdpwssd reads
+ * once widened); Q8_0 keeps a tile's integers first,
+ * every block's at a whole number of cache lines (Q5_0 likewise) (no 64-byte load straddles two),
+ * then its scales: block b's integers at b * SDK_Q8_INTS, its scales at nblk * INTS + b * SCALES */
 #define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins (pairs), d, dmin (fp16) */
 #define SDK_Q6K_INTS (2048 + 1024)               /* low nibbles, high 2 bits */
-#define SDK_Q6K_SCALES (256 + 32)                /* int8 scales, d (fp16) */
-#define SDK_Q6K_REC (SDK_Q6K_INTS + SDK_Q6K_SCALES)
+#define SDK_Q6K_SCALES (256 + 32)                /* int8 scales in pairs, d (fp16), at SDK_Q6K_INTS */
+#define SDK_Q6K_REC (SDK_Q6K_INTS + SDK_Q6K_SCALES + 32) /* + 32 bytes of padding */
 #define SDK_Q8_INTS 512  /* q + 128 (bytes) */
 #define SDK_Q8_SCALES 32 /* d (fp16) */
 #define SDK_Q8_REC (SDK_Q8_INTS + SDK_Q8_SCALES)
@@ -42,12 +45,15 @@ enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNN
 
 /* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
  * integer sums of 16 codes, xp [rows][kp / 64] the sums of 32 codes two by two as int16 pairs
- * (low half: inputs 64p..64p+31, high half: the next 32; |sum| <= 4064), for vpdpwssd */
+ * (low half: inputs 64p..64p+31, high half: the next 32; |sum| <= 4064), xw [rows][kp / 32] the
+ * sums of 16 codes two by two as int16 pairs (low half: xs[2p], high half: xs[2p + 1]; |sum| <=
+ * 2032), both for vpdpwssd */
 typedef struct {
     const int8_t *xq;
     const float *xa;
     const int32_t *xs;
     const int32_t *xp;
+    const int32_t *xw;
     int kp;
 } sdk_act;
 

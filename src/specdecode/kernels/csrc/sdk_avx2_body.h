@@ -90,9 +90,8 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             }
         }
     } else if (type == SDK_Q6K) {
-        const uint8_t *tile = rec;
-        for (int b = 0; b < nblk; b++, rec += SDK_Q6K_INTS) {
-            const uint8_t *scales = tile + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
+        for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
+            const uint8_t *scales = rec + SDK_Q6K_INTS;
             for (int j = 0; j < 8; j++)
                 for (int h = 0; h < 2; h++) {
                     const uint8_t *chunk = rec + j * 384;
@@ -100,7 +99,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     __m256i h1 = LD(chunk + 320 + h * 32);
                     if (!h) {
                         for (int l = 0; l < 6; l++) PF2(chunk + SDK_Q6K_REC + l * 64);
-                        if (j < 5) PF2(scales + SDK_Q6K_SCALES + j * 64);
+                        if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
                     }
                     for (int i = 0; i < 4; i++) {
                         __m256i v = LD(chunk + i * 64 + h * 32);
@@ -114,7 +113,9 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 }
             for (int s = 0; s < 16; s++)
                 for (int h = 0; h < 2; h++) {
-                    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + s * 16 + h * 8)));
+                    /* columns h * 8.. of sub-block s: every second byte from the pairs */
+                    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + (s / 2) * 32 + h * 16)));
+                    v = (s & 1) ? _mm256_srai_epi32(v, 16) : _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
 #ifndef SDK_VNNI256
                     v = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
 #endif

@@ -46,7 +46,6 @@ static inline __m512i dpw(__m512i acc, __m512i w, const int32_t *p) {
 static inline __m512i fault_lane(void) { return _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0); }
 
 static inline __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline __m512i s8x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m512 h2f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* the epilogue of one row and block: y = fma(isum, d * a, y), then y = fma(-imin, dmin * a, y) */
@@ -106,15 +105,18 @@ static inline __attribute__((always_inline)) void q4k_block(const int R, const u
 
 static inline __attribute__((always_inline)) void q6k_block(const int R, const uint8_t *tile, int nblk,
                                                             const sdk_act *a, int m, int b, float *acc) {
-    const uint8_t *rec = tile + (size_t)b * SDK_Q6K_INTS;
-    const uint8_t *scales = tile + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
-    const int kp = a->kp, n16 = kp / 16;
+    const uint8_t *rec = tile + (size_t)b * SDK_Q6K_REC;
+    const uint8_t *scales = rec + SDK_Q6K_INTS;
+    (void)nblk;
+    const int kp = a->kp;
     const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
     const int8_t *x[ROWS];
-    __m512i isum[ROWS];
+    const int32_t *xw[ROWS];
+    __m512i isum[ROWS], off[ROWS];
     UNROLL(8) for (int r = 0; r < R; r++) {
         x[r] = a->xq + (size_t)(m + r) * kp + b * 256;
-        isum[r] = _mm512_setzero_si512();
+        xw[r] = a->xw + (size_t)(m + r) * (kp / 32) + b * 8;
+        isum[r] = off[r] = _mm512_setzero_si512();
     }
     for (int j = 0; j < 8; j++) { /* 32 inputs: two sub-blocks of 16 with their own scales */
         __m512i w[8];
@@ -122,7 +124,7 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
         __m512i h0 = _mm512_loadu_si512(chunk + 256), h1 = _mm512_loadu_si512(chunk + 320);
         PF2(chunk + SDK_PF_Q6K + 256);
         PF2(chunk + SDK_PF_Q6K + 320);
-        if (j < 5) PF2(scales + SDK_Q6K_SCALES + j * 64); /* the next block's scales */
+        if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64); /* the next block's scales */
         UNROLL(4) for (int i = 0; i < 4; i++) {
             __m512i v = _mm512_loadu_si512(chunk + i * 64);
             PF2(chunk + SDK_PF_Q6K + i * 64);
@@ -134,6 +136,11 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
             w[i] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(b0, bits45), low4, 0xEC);
             w[i + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(b1, bits45), low4, 0xEC);
         }
+        /* the scales of sub-blocks 2j and 2j + 1 as int16 pairs: each half's scale (sign-extended),
+         * and the offset's term sc x (sums of 16 codes) for both halves in one vpdpwssd a row */
+        const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(scales + j * 32)));
+        const __m512i sch[2] = {_mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), _mm512_srai_epi32(pair, 16)};
+        UNROLL(8) for (int r = 0; r < R; r++) off[r] = dpw(off[r], pair, xw[r] + j);
         UNROLL(2) for (int half = 0; half < 2; half++) {
             /* one dot-product chain a row when three or more rows give independent chains */
             const int two = R < 3;
@@ -142,17 +149,16 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
             UNROLL(4) for (int g = 0; g < 4; g++)
                 UNROLL(8) for (int r = 0; r < R; r++)
                     t[r][two & g] = dpb(t[r][two & g], w[half * 4 + g], x[r] + j * 32 + half * 16 + g * 4);
-            __m512i sc = s8x16(scales + (j * 2 + half) * 16);
             UNROLL(8) for (int r = 0; r < R; r++) {
-                const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 16 + j * 2 + half;
                 __m512i u = two ? _mm512_add_epi32(t[r][0], t[r][1]) : t[r][0];
-                u = _mm512_sub_epi32(u, _mm512_set1_epi32(32 * xs[0]));
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(u, sc));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(u, sch[half]));
             }
         }
     }
     __m512 d = h2f16(scales + 256);
     UNROLL(8) for (int r = 0; r < R; r++) {
+        /* sum over s of sc (t - 32 xs) = sum of sc t - 32 sum of sc xs: exact int32 either way */
+        isum[r] = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(off[r], 5));
         if (sdk_fault && b == 0 && m + r == 0) isum[r] = _mm512_add_epi32(isum[r], fault_lane());
         store_row(acc + r * 16, isum[r], d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b]);
     }

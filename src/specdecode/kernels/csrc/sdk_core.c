@@ -19,7 +19,7 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 
-int sdk_abi_version(void) { return 4; }
+int sdk_abi_version(void) { return 5; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
@@ -79,7 +79,7 @@ int sdk_isa_built(int isa) { return isa >= 0 && isa < SDK_NISA && path(isa) != 0
  * workers get the pointers) and each thread's pre-pass row */
 static __thread int8_t *t_xq;
 static __thread float *t_xa;
-static __thread int32_t *t_xs, *t_xp;
+static __thread int32_t *t_xs, *t_xp, *t_xw;
 static __thread size_t t_rows_cap, t_kp_cap;
 static __thread int t_m = -1, t_k = -1;
 static __thread float *t_pre;
@@ -106,14 +106,15 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
     if ((size_t)m > t_rows_cap || (size_t)kp > t_kp_cap) {
         size_t rows = (size_t)m > t_rows_cap ? (size_t)m : t_rows_cap;
         size_t cols = (size_t)kp > t_kp_cap ? (size_t)kp : t_kp_cap;
-        free(t_xq); free(t_xa); free(t_xs); free(t_xp);
+        free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw);
         t_xq = malloc(rows * cols);
         t_xa = malloc(rows * (cols / SDK_QK) * sizeof(float));
         t_xs = malloc(rows * (cols / 16) * sizeof(int32_t));
         t_xp = malloc(rows * (cols / 64) * sizeof(int32_t));
-        if (!t_xq || !t_xa || !t_xs || !t_xp) {
-            free(t_xq); free(t_xa); free(t_xs); free(t_xp);
-            t_xq = 0; t_xa = 0; t_xs = 0; t_xp = 0; t_rows_cap = t_kp_cap = 0;
+        t_xw = malloc(rows * (cols / 32) * sizeof(int32_t));
+        if (!t_xq || !t_xa || !t_xs || !t_xp || !t_xw) {
+            free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw);
+            t_xq = 0; t_xa = 0; t_xs = 0; t_xp = 0; t_xw = 0; t_rows_cap = t_kp_cap = 0;
             return -3;
         }
         t_rows_cap = rows; t_kp_cap = cols;
@@ -127,7 +128,7 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
     int qthreads = m >= 16 ? nthreads : 1;
     int8_t *xq = t_xq;
     float *xa = t_xa;
-    int32_t *xs = t_xs, *xp = t_xp;
+    int32_t *xs = t_xs, *xp = t_xp, *xw = t_xw;
     int failed = 0;
 #pragma omp parallel num_threads(qthreads)
     {
@@ -154,6 +155,10 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
             }
             quantize(row, k, kp, xq + (size_t)r * kp, xa + (size_t)r * (kp / SDK_QK), xs + (size_t)r * (kp / 16),
                      xp + (size_t)r * (kp / 64));
+            const int32_t *s16 = xs + (size_t)r * (kp / 16);
+            for (int p = 0; p < kp / 32; p++) /* (xs[2p], xs[2p + 1]) as int16 pairs */
+                xw[(size_t)r * (kp / 32) + p] =
+                    (int32_t)((uint32_t)(uint16_t)(int16_t)s16[2 * p] | ((uint32_t)(uint16_t)(int16_t)s16[2 * p + 1] << 16));
         }
     }
     if (failed) return -3;
@@ -177,7 +182,7 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
     if (m != t_m || k != t_k) return -1;
     int kp = ((k + SDK_QK - 1) / SDK_QK) * SDK_QK;
     size_t rec = record_bytes(type);
-    sdk_act act = {t_xq, t_xa, t_xs, t_xp, kp};
+    sdk_act act = {t_xq, t_xa, t_xs, t_xp, t_xw, kp};
     sdk_tile_fn fn = path(isa);
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
     if (nthreads < 1) nthreads = 1;

@@ -57,14 +57,14 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                     y = fmaf((float)isum, d * xa[b], y);
                     y = fmaf(-(float)imin, dmin * xa[b], y);
                 } else if (type == SDK_Q6K) {
-                    const uint8_t *p = rec + (size_t)b * SDK_Q6K_INTS;
-                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q6K_INTS + (size_t)b * SDK_Q6K_SCALES;
+                    const uint8_t *p = rec + (size_t)b * SDK_Q6K_REC;
+                    const uint8_t *ps = p + SDK_Q6K_INTS;
                     int32_t isum = 0;
                     for (int s16 = 0; s16 < 16; s16++) {
                         int32_t s = 0;
                         for (int k = s16 * 16; k < s16 * 16 + 16; k++) s += q6(p, c, k) * x[b * 256 + k];
                         s -= 32 * xs[b * 16 + s16];
-                        isum += (int8_t)ps[s16 * 16 + c] * s;
+                        isum += (int8_t)ps[(s16 / 2) * 32 + c * 2 + s16 % 2] * s;
                     }
                     float d = sdk_h2f(rd16(ps + 256 + 2 * c));
                     y = fmaf((float)isum, d * xa[b], y);
