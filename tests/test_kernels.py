@@ -226,6 +226,21 @@ def test_blocks_decode_as_the_gguf_library_decodes_them():
         assert np.array_equal(BlockWeight("q5_0", raw, 512).dequantize(), want)
 
 
+def test_a_q6_k_block_reads_as_one_stream_its_record_holds_its_scales():
+    """Each Q6_K block's integers and scales sit in one record of whole cache lines (a thread
+    reads one stream; with a tile's scales kept after all its integers the one-row head ran at
+    ~75% of a plain read, benchmarks/NOTES.md issue 53, fifth session)."""
+    rng = np.random.default_rng(5)
+    w = random_q6_k(16, 768, rng)
+    base = w.tiles()
+    assert base.shape == (1, 3, 3392) and 3392 % 64 == 0
+    for offset in (0, 150, 200, 209):  # low nibbles, high bits, a scale, d: block 1 of row 0
+        raw = w.raw.copy()
+        raw[0, 210 + offset] ^= 0x11
+        changed = np.argwhere(BlockWeight("q6_k", raw, 768).tiles() != base)
+        assert len(changed) and (changed[:, :2] == [0, 1]).all(), offset
+
+
 @pytest.mark.parametrize("isa", SIMD)
 def test_a_path_one_off_in_one_lane_fails_the_self_check(isa):
     """Negative control: each path adds 1 to lane 3 of one integer sum; the check refuses it."""
