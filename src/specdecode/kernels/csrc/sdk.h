@@ -26,9 +26,9 @@ enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNN
  * record (37 cache lines) holds everything, and so does Q6_K's (53 lines: its integers, then its
  * scales, padded to a whole line: one read stream a thread; the 16 scales of a column as pairs,
  * byte p * 32 + c * 2 + i = column c's scale of sub-block 2p + i, the int16 pairs vpdpwssd reads
- * once widened); Q8_0 keeps a tile's integers first,
- * every block's at a whole number of cache lines (Q5_0 likewise) (no 64-byte load straddles two),
- * then its scales: block b's integers at b * SDK_Q8_INTS, its scales at nblk * INTS + b * SCALES */
+ * once widened). Q8_0 and Q5_0 keep a tile's integers first, every block's at a whole number of
+ * cache lines (no 64-byte load straddles two), then its scales: block b's integers at
+ * b * SDK_Q8_INTS (SDK_Q5_INTS), its scales at nblk * INTS + b * SCALES */
 #define SDK_Q4K_REC (2048 + 128 + 128 + 32 + 32) /* nibbles, scales, mins (pairs), d, dmin (fp16) */
 #define SDK_Q6K_INTS (2048 + 1024)               /* low nibbles, high 2 bits */
 #define SDK_Q6K_SCALES (256 + 32)                /* int8 scales in pairs, d (fp16), at SDK_Q6K_INTS */
