@@ -91,13 +91,13 @@ def main() -> int:
     gguf = ZOO[name].gguf_path()
     models = {}
     for fmt in formats:
-        if "@" in fmt:  # the same kq model on a forced path (set around its passes: on_path)
-            models[fmt] = models[fmt.split("@")[0]]
-            continue
-        dtype = torch.float32 if fmt in ("kq", "w8a8") else torch.bfloat16
-        print(f"loading {name} as {fmt}", file=sys.stderr)
-        m = load(name, dtype=dtype, quant=fmt)
-        models[fmt] = ([lin for _, lin in m.linears()], dtype, m.weight_bytes())
+        base = fmt.split("@")[0]  # kq@ISA: the kq model on a forced path (set around its passes: on_path)
+        if base not in models:
+            dtype = torch.float32 if base in ("kq", "w8a8") else torch.bfloat16
+            print(f"loading {name} as {base}", file=sys.stderr)
+            m = load(name, dtype=dtype, quant=base)
+            models[base] = ([lin for _, lin in m.linears()], dtype, m.weight_bytes())
+        models[fmt] = models[base]
 
     def on_path(fmt: str) -> None:
         """kq@ISA runs on that path (SPECDECODE_ISA, read when the choice is made), kq on the chosen one."""

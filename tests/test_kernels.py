@@ -255,6 +255,30 @@ def test_a_path_one_off_in_one_lane_fails_the_self_check(isa):
     assert kernels.selfcheck(isa)
 
 
+@pytest.mark.parametrize("isa", SIMD)
+def test_the_one_off_fault_reaches_every_format_and_row_regime_of_a_path(isa):
+    """Negative control per branch: a path has several code paths by format and row count (on
+    AVX2, Q4_K decodes in registers up to 4 rows and through the scratch above, Q6_K up to 2),
+    and the fault moves the product in each one, so the bit-for-bit test above would catch a
+    slip in any of them."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    rng = np.random.default_rng(7)
+    # not rows(): its all-ones row 0 takes Q4_K's integer sum past 2**24, where the float epilogue
+    # cannot see a change of one
+    x = torch.from_numpy(rng.standard_normal((9, 512)).astype(np.float32))
+    for w in weights(rng, 16, 512):
+        packed = PackedWeight(w)
+        for m in (1, 2, 3, 4, 5, 8, 9):
+            want = kernels.linear(x[:m], packed, isa="ref", threads=1)
+            assert torch.equal(kernels.linear(x[:m], packed, isa=isa, threads=1), want), (w.kind, m)
+            kernels.set_fault(True)
+            try:
+                assert not torch.equal(kernels.linear(x[:m], packed, isa=isa, threads=1), want), (w.kind, m)
+            finally:
+                kernels.set_fault(False)
+
+
 def test_a_rows_output_is_the_same_whatever_the_row_count_and_its_place():
     rng = np.random.default_rng(3)
     x = rows(rng, 13, 768)

@@ -19,6 +19,11 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 }
 #endif
 
+/* pins a value to a register at this point. Without it GCC re-associates the int16 sums into a
+ * tree (every product first, spilled to the stack) and loads a weight vector again for each row;
+ * with it the pair loop runs 1.5x faster at 8 rows (benchmarks/NOTES.md) */
+#define KEEP(v) __asm__("" : "+x"(v))
+
 static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 0, 0, 0); }
 
 #define LD(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -26,14 +31,266 @@ static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 
 #define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
+/* up to this many rows a call, Q4_K and Q6_K decode each load in registers for every row pair
+ * (q4k_direct, q6k_direct); above it, once a block into the scratch for all rows (measured on
+ * Zen 4 forced to this path: benchmarks/NOTES.md) */
+#define SDK_DIRECT_Q4K 4
+#define SDK_DIRECT_Q6K 2
+
+#ifndef SDK_VNNI256
+/* Without VNNI, rows go in pairs against both halves of the decoded block: each weight vector is
+ * loaded once for two rows and each broadcast activation once for both halves (one row at a
+ * time needs two loads a vpmaddubsw, a pair one). A row's integer sums are the same operations
+ * whichever its partner, so its bits do not depend on the pairing. */
+static inline __attribute__((always_inline)) void q4k_rows(const __m256i *w, const __m256i *sc, const __m256i *mn,
+                                                           const __m256 *d, const __m256 *dmin, const sdk_act *a,
+                                                           int b, int m0, int r, int nr, float *acc) {
+    const int kp = a->kp, nsb = kp / SDK_QK;
+    const int8_t *x[2];
+    __m256i isum[2][2];
+    for (int i = 0; i < nr; i++) {
+        x[i] = a->xq + (size_t)(m0 + r + i) * kp + b * 256;
+        isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 8; j++) {
+        /* the sub-block's int16 pairs summed as int16 (8 x 2 x 15 x 127 = 30480: no overflow),
+         * then one vpmaddwd applies the scale */
+        __m256i s[2][2];
+        for (int i = 0; i < nr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            __m256i w0 = w[(j * 8 + g) * 2], w1 = w[(j * 8 + g) * 2 + 1];
+            KEEP(w0);
+            KEEP(w1);
+            for (int i = 0; i < nr; i++) {
+                __m256i xb = bcast4(x[i] + j * 32 + g * 4);
+                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(w0, xb));
+                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(w1, xb));
+                KEEP(s[i][0]);
+                KEEP(s[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i++)
+            for (int h = 0; h < 2; h++) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s[i][h], sc[j * 2 + h]));
+    }
+    for (int i = 0; i < nr; i++) {
+        const int32_t *xp = a->xp + (size_t)(m0 + r + i) * (kp / 64) + b * 4;
+        __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r + i) * nsb + b]);
+        for (int h = 0; h < 2; h++) {
+            __m256i imin = _mm256_setzero_si256();
+            for (int q = 0; q < 4; q++) imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q * 2 + h], _mm256_set1_epi32(xp[q])));
+            if (sdk_fault && b == 0 && r + i == 0 && h == 0) isum[i][h] = _mm256_add_epi32(isum[i][h], fault_lane());
+            float *o = acc + (r + i) * 16 + h * 8;
+            __m256 y = _mm256_loadu_ps(o);
+            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d[h], av), y);
+            y = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin[h], av), y);
+            _mm256_storeu_ps(o, y);
+        }
+    }
+}
+
+/* Q4_K for one or two rows straight from the record: each 32-byte load splits into its low and
+ * high nibbles in registers and goes into the rows at once, with no pass through the scratch
+ * (stores and loads that a one-row step cannot pay back). The int16 sums take the same terms in
+ * another order: every partial sum is at most 8 x 3810 = 30480, so they are the same integers. */
+static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec, const sdk_act *a, int b, int m0,
+                                                             int r, int nr, float *acc) {
+    const int kp = a->kp, nsb = kp / SDK_QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const int8_t *x[2];
+    __m256i isum[2][2];
+    for (int i = 0; i < nr; i++) {
+        x[i] = a->xq + (size_t)(m0 + r + i) * kp + b * 256;
+        isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 8; j++) {
+        __m256i s[2][2];
+        for (int i = 0; i < nr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *p = rec + (j * 4 + g) * 64;
+            PF(p + SDK_Q4K_REC + (j == 7 ? 256 : 0));
+            __m256i v0 = LD(p), v1 = LD(p + 32);
+            __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+            __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+            for (int i = 0; i < nr; i++) {
+                __m256i xl = bcast4(x[i] + j * 32 + g * 4), xh = bcast4(x[i] + j * 32 + (g + 4) * 4);
+                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(lo0, xl));
+                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(lo1, xl));
+                KEEP(s[i][0]);
+                KEEP(s[i][1]);
+                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(hi0, xh));
+                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(hi1, xh));
+                KEEP(s[i][0]);
+                KEEP(s[i][1]);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
+            sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* (sc, sc) int16 pairs */
+            for (int i = 0; i < nr; i++) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s[i][h], sc));
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const int32_t *xp = a->xp + (size_t)(m0 + r + i) * (kp / 64) + b * 4;
+        __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r + i) * nsb + b]);
+        for (int h = 0; h < 2; h++) {
+            __m256i imin = _mm256_setzero_si256();
+            for (int q = 0; q < 4; q++) {
+                __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rec + 2176 + q * 32 + h * 16)));
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn, _mm256_set1_epi32(xp[q])));
+            }
+            if (sdk_fault && b == 0 && r + i == 0 && h == 0) isum[i][h] = _mm256_add_epi32(isum[i][h], fault_lane());
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2304 + h * 16)));
+            __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2336 + h * 16)));
+            float *o = acc + (r + i) * 16 + h * 8;
+            __m256 y = _mm256_loadu_ps(o);
+            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d, av), y);
+            y = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, av), y);
+            _mm256_storeu_ps(o, y);
+        }
+    }
+}
+
+/* Q6_K for one or two rows straight from the record (see q4k_direct): chunk j's 32-byte loads
+ * become sub-blocks 2j and 2j + 1 in registers; the same integer terms as q6k_rows, summed two
+ * products at a time into int16 (at most 32004), each such sum times its scale by vpmaddwd. */
+static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec, const sdk_act *a, int b, int m0,
+                                                             int r, int nr, float *acc) {
+    const int kp = a->kp, nsb = kp / SDK_QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03), lo16 = _mm256_set1_epi32(0xffff);
+    const uint8_t *scales = rec + SDK_Q6K_INTS;
+    const int8_t *x[2];
+    __m256i isum[2][2];
+    for (int i = 0; i < nr; i++) {
+        x[i] = a->xq + (size_t)(m0 + r + i) * kp + b * 256;
+        isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *chunk = rec + j * 384;
+        for (int l = 0; l < 6; l++) PF2(chunk + SDK_Q6K_REC + l * 64);
+        if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
+        /* the scales of sub-blocks 2j (even) and 2j + 1 (odd) per column, as (sc, sc) int16 pairs */
+        __m256i sce[2], sco[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + j * 32 + h * 16)));
+            __m256i e = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16), o = _mm256_srai_epi32(v, 16);
+            sce[h] = _mm256_or_si256(_mm256_and_si256(e, lo16), _mm256_slli_epi32(e, 16));
+            sco[h] = _mm256_or_si256(_mm256_and_si256(o, lo16), _mm256_slli_epi32(o, 16));
+        }
+        for (int g = 0; g < 4; g += 2) {
+            __m256i te[2][2], to[2][2]; /* [row][half]: sub-block 2j, 2j + 1 */
+            for (int gg = g; gg < g + 2; gg++) {
+                __m256i we[2], wo[2];
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = LD(chunk + gg * 64 + h * 32);
+                    __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(LD(chunk + 256 + h * 32), 2 * gg), low2);
+                    __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(LD(chunk + 320 + h * 32), 2 * gg), low2);
+                    we[h] = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_slli_epi16(b0, 4));
+                    wo[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_slli_epi16(b1, 4));
+                }
+                for (int i = 0; i < nr; i++) {
+                    __m256i xe = bcast4(x[i] + j * 32 + gg * 4), xo = bcast4(x[i] + j * 32 + 16 + gg * 4);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i pe = _mm256_maddubs_epi16(we[h], xe), po = _mm256_maddubs_epi16(wo[h], xo);
+                        te[i][h] = gg == g ? pe : _mm256_add_epi16(te[i][h], pe);
+                        to[i][h] = gg == g ? po : _mm256_add_epi16(to[i][h], po);
+                    }
+                }
+            }
+            for (int i = 0; i < nr; i++)
+                for (int h = 0; h < 2; h++) {
+                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(te[i][h], sce[h]));
+                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(to[i][h], sco[h]));
+                }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const int32_t *xw = a->xw + (size_t)(m0 + r + i) * (kp / 32) + b * 8;
+        __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r + i) * nsb + b]);
+        for (int h = 0; h < 2; h++) {
+            __m256i off = _mm256_setzero_si256();
+            for (int p = 0; p < 8; p++) {
+                __m256i pr = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + p * 32 + h * 16)));
+                off = _mm256_add_epi32(off, _mm256_madd_epi16(pr, _mm256_set1_epi32(xw[p])));
+            }
+            __m256i v = _mm256_sub_epi32(isum[i][h], _mm256_slli_epi32(off, 5));
+            if (sdk_fault && b == 0 && r + i == 0 && h == 0) v = _mm256_add_epi32(v, fault_lane());
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 256 + h * 16)));
+            float *o = acc + (r + i) * 16 + h * 8;
+            __m256 y = _mm256_loadu_ps(o);
+            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, av), y);
+            _mm256_storeu_ps(o, y);
+        }
+    }
+}
+
+/* Q6_K the same way. pr: the scales as stored, (sc[2p], sc[2p + 1]) int16 pairs per column, so
+ * the offset 32 x sum(sc x xs) takes one vpmaddwd per 32 inputs against xw's pairs. */
+static inline __attribute__((always_inline)) void q6k_rows(const __m256i *w, const __m256i *sc, const __m256i *pr,
+                                                           const __m256 *d, const sdk_act *a, int b, int m0, int r,
+                                                           int nr, float *acc) {
+    const int kp = a->kp, nsb = kp / SDK_QK;
+    const int8_t *x[2];
+    __m256i isum[2][2];
+    for (int i = 0; i < nr; i++) {
+        x[i] = a->xq + (size_t)(m0 + r + i) * kp + b * 256;
+        isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    }
+    for (int s = 0; s < 16; s++)
+        for (int g = 0; g < 4; g += 2) {
+            /* two int16 pairs summed as int16 (2 x 2 x 63 x 127 = 32004: no overflow), the sum
+             * times the scale by vpmaddwd */
+            const __m256i *ws = w + (s * 4 + g) * 2;
+            __m256i w00 = ws[0], w01 = ws[1], w10 = ws[2], w11 = ws[3];
+            KEEP(w00);
+            KEEP(w01);
+            KEEP(w10);
+            KEEP(w11);
+            for (int i = 0; i < nr; i++) {
+                __m256i x0 = bcast4(x[i] + s * 16 + g * 4), x1 = bcast4(x[i] + s * 16 + g * 4 + 4);
+                __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, x0), _mm256_maddubs_epi16(w10, x1));
+                __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w01, x0), _mm256_maddubs_epi16(w11, x1));
+                isum[i][0] = _mm256_add_epi32(isum[i][0], _mm256_madd_epi16(t0, sc[s * 2]));
+                isum[i][1] = _mm256_add_epi32(isum[i][1], _mm256_madd_epi16(t1, sc[s * 2 + 1]));
+                KEEP(isum[i][0]);
+                KEEP(isum[i][1]);
+            }
+        }
+    for (int i = 0; i < nr; i++) {
+        const int32_t *xw = a->xw + (size_t)(m0 + r + i) * (kp / 32) + b * 8;
+        __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r + i) * nsb + b]);
+        for (int h = 0; h < 2; h++) {
+            __m256i off = _mm256_setzero_si256();
+            for (int p = 0; p < 8; p++) off = _mm256_add_epi32(off, _mm256_madd_epi16(pr[p * 2 + h], _mm256_set1_epi32(xw[p])));
+            __m256i v = _mm256_sub_epi32(isum[i][h], _mm256_slli_epi32(off, 5));
+            if (sdk_fault && b == 0 && r + i == 0 && h == 0) v = _mm256_add_epi32(v, fault_lane());
+            float *o = acc + (r + i) * 16 + h * 8;
+            __m256 y = _mm256_loadu_ps(o);
+            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d[h], av), y);
+            _mm256_storeu_ps(o, y);
+        }
+    }
+}
+#endif
+
 void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                  uint8_t *scratch) {
     const int kp = a->kp, nsb = kp / SDK_QK, n16 = kp / 16, rows = m1 - m0;
     __m256i *w = (__m256i *)scratch; /* [64 vectors][2 halves] */
-    __m256i *sc = w + 128, *mn = w + 160;
+    __m256i *sc = w + 128, *mn = w + 160, *pr = w + 168;
+    (void)pr;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     for (int r = 0; r < rows * 2; r++) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());
     if (type == SDK_Q4K) {
+#ifndef SDK_VNNI256
+        if (rows <= SDK_DIRECT_Q4K) {
+            for (int b = 0; b < nblk; b++, rec += SDK_Q4K_REC) {
+                int r = 0;
+                for (; r + 2 <= rows; r += 2) q4k_direct(rec, a, b, m0, r, 2, acc);
+                if (r < rows) q4k_direct(rec, a, b, m0, r, 1, acc);
+            }
+            return;
+        }
+#endif
         for (int b = 0; b < nblk; b++, rec += SDK_Q4K_REC) {
             for (int j = 0; j < 8; j++) {
                 for (int i = 0; i < 4; i++)
@@ -59,6 +316,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2304 + h * 16)));
                 dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2336 + h * 16)));
             }
+#ifdef SDK_VNNI256
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
                 const int32_t *xp = a->xp + (size_t)(m0 + r) * (kp / 64) + b * 4;
@@ -66,18 +324,9 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 for (int h = 0; h < 2; h++) {
                     __m256i isum = _mm256_setzero_si256(), imin = _mm256_setzero_si256();
                     for (int j = 0; j < 8; j++) {
-#ifdef SDK_VNNI256
                         __m256i s = _mm256_setzero_si256();
                         for (int g = 0; g < 8; g++) s = dot4(s, w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4));
                         isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, sc[j * 2 + h]));
-#else
-                        /* the sub-block's int16 pairs summed as int16 (8 x 2 x 15 x 127 = 30480: no
-                         * overflow), then one vpmaddwd applies the scale */
-                        __m256i s = _mm256_setzero_si256();
-                        for (int g = 0; g < 8; g++)
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4)));
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s, sc[j * 2 + h]));
-#endif
                     }
                     for (int q = 0; q < 4; q++)
                         imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q * 2 + h], _mm256_set1_epi32(xp[q])));
@@ -88,8 +337,23 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     _mm256_storeu_ps(acc + r * 16 + h * 8, y);
                 }
             }
+#else
+            int r = 0;
+            for (; r + 2 <= rows; r += 2) q4k_rows(w, sc, mn, d, dmin, a, b, m0, r, 2, acc);
+            if (r < rows) q4k_rows(w, sc, mn, d, dmin, a, b, m0, r, 1, acc);
+#endif
         }
     } else if (type == SDK_Q6K) {
+#ifndef SDK_VNNI256
+        if (rows <= SDK_DIRECT_Q6K) {
+            for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
+                int r = 0;
+                for (; r + 2 <= rows; r += 2) q6k_direct(rec, a, b, m0, r, 2, acc);
+                if (r < rows) q6k_direct(rec, a, b, m0, r, 1, acc);
+            }
+            return;
+        }
+#endif
         for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
             const uint8_t *scales = rec + SDK_Q6K_INTS;
             for (int j = 0; j < 8; j++)
@@ -115,6 +379,9 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 for (int h = 0; h < 2; h++) {
                     /* columns h * 8.. of sub-block s: every second byte from the pairs */
                     __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + (s / 2) * 32 + h * 16)));
+#ifndef SDK_VNNI256
+                    if (!(s & 1)) pr[(s / 2) * 2 + h] = v;
+#endif
                     v = (s & 1) ? _mm256_srai_epi32(v, 16) : _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
 #ifndef SDK_VNNI256
                     v = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
@@ -123,42 +390,30 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 }
             __m256 d[2];
             for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 256 + h * 16)));
+#ifdef SDK_VNNI256
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
                 const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
                 __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
                 for (int h = 0; h < 2; h++) {
-                    __m256i isum = _mm256_setzero_si256(), off = _mm256_setzero_si256();
-                    (void)off;
+                    __m256i isum = _mm256_setzero_si256();
                     for (int s = 0; s < 16; s++) {
-#ifdef SDK_VNNI256
                         __m256i t = _mm256_setzero_si256();
                         for (int g = 0; g < 4; g++) t = dot4(t, w[(s * 4 + g) * 2 + h], bcast4(x + s * 16 + g * 4));
                         t = _mm256_sub_epi32(t, _mm256_set1_epi32(32 * xs[s]));
                         isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(t, sc[s * 2 + h]));
-#else
-                        /* two int16 pairs summed as int16 (2 x 2 x 63 x 127 = 32004: no overflow),
-                         * each sum times the scale by vpmaddwd; the offset 32 as sc x xs, shifted */
-                        const __m256i *ws = w + s * 8 + h;
-                        __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(ws[0], bcast4(x + s * 16)),
-                                                      _mm256_maddubs_epi16(ws[2], bcast4(x + s * 16 + 4)));
-                        __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(ws[4], bcast4(x + s * 16 + 8)),
-                                                      _mm256_maddubs_epi16(ws[6], bcast4(x + s * 16 + 12)));
-                        isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(t0, sc[s * 2 + h]),
-                                                                       _mm256_madd_epi16(t1, sc[s * 2 + h])));
-                        /* sc x xs (|xs| <= 2032: an int16) in the pair's low half */
-                        off = _mm256_add_epi32(off, _mm256_madd_epi16(sc[s * 2 + h], _mm256_set1_epi32(xs[s] & 0xffff)));
-#endif
                     }
-#ifndef SDK_VNNI256
-                    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
-#endif
                     if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
                     __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
                     y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);
                     _mm256_storeu_ps(acc + r * 16 + h * 8, y);
                 }
             }
+#else
+            int r = 0;
+            for (; r + 2 <= rows; r += 2) q6k_rows(w, sc, pr, d, a, b, m0, r, 2, acc);
+            if (r < rows) q6k_rows(w, sc, pr, d, a, b, m0, r, 1, acc);
+#endif
         }
     } else if (type == SDK_Q5_0) {
         const __m256i bit4 = _mm256_set1_epi8(0x10);
