@@ -554,29 +554,71 @@ def test_greedy_speculation_on_the_kernel_equals_its_own_target_only(kernel_pair
         assert [r.token_ids for r in gen.generate(prompts, params)] == want, kw
 
 
-@pytest.mark.parametrize("path", ["fused-layers", "torch-layers", "torch-rope"])
+def test_all_layers_in_one_c_call_give_the_one_call_a_step_bits(kernel_pair, monkeypatch):
+    """kernels.layers makes the fused layers' calls in their order: logits, hidden states and
+    every key and value written equal the one-call-a-step path's bit for bit, for a prefill of
+    two rows of different lengths, one-token steps, a token tree written past the lengths and an
+    early exit; and a table that does not match the model is refused in one line."""
+    from specdecode.models.base import ForwardMeta
+    from specdecode.models.llama import LlamaModel
+
+    target, _ = kernel_pair
+    tree = ForwardMeta(
+        positions=torch.tensor([[5, 6, 6], [3, 4, 4]]),
+        tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+        advance=False,
+    )
+
+    def run(in_c: bool):
+        monkeypatch.setattr(LlamaModel, "layers_in_c", in_c)
+        cache = target.new_cache(2, 96, invariant=True)
+        prompt = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+        outs = [target.forward(prompt, cache, ForwardMeta(return_hidden=True))]
+        cache.lengths[1] = 3  # row 1 keeps three tokens
+        for t in (11, 12):
+            outs.append(target.forward(torch.tensor([[t], [t + 1]]), cache))
+        outs.append(target.forward(torch.tensor([[13, 14, 15], [16, 17, 18]]), cache, tree))
+        outs.append(target.forward(torch.tensor([[19], [20]]), cache, ForwardMeta(num_layers=1)))
+        kv = [t.clone() for i in range(len(target.layers)) for t in (cache.layer_k[i], cache.layer_v[i])]
+        return [o for pair in outs for o in pair if o is not None], kv
+
+    (one_call, kv_c), (per_step, kv_p) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(one_call, per_step)) and len(one_call) == len(per_step)
+    assert all(torch.equal(a, b) for a, b in zip(kv_c, kv_p))
+    x = torch.zeros(1, target.cfg.hidden_size)
+    with pytest.raises(SpecDecodeError, match="table must be contiguous int64"):
+        kernels.layers(torch.zeros(2, 3, dtype=torch.int64), 1, x, 1e-6, (x.shape[1], 8), (1, 1, 4, 2, 64),
+                       x, x, [], x, x, x, 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["layers-in-c", "fused-layers", "torch-layers", "torch-rope"])
 def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitted_rows(
     kernel_pair, path, monkeypatch
 ):
     """A model on the kernel attends in it: greedy speculation with a draft tree, a batch of rows
     of different lengths and a row admitted mid-run all give target-only's tokens alone, as the
     batch-invariant forward promises; kq and float32 weights, on each way a layer reaches the
-    attention: the fused layers (norms, RoPE, cache write, attention, SwiGLU and residuals in C),
-    the layers in torch around the C RoPE + cache write + attention (a bf16 model's), and RoPE in
-    torch before KernelAttention (a model with Qwen3's q/k norms: here norms of weight 1)."""
+    attention: all the layers of a forward in one C call (kernels.layers), the fused layers one
+    C call a step (norms, RoPE,
+    cache write, attention, SwiGLU and residuals in C), the layers in torch around the C RoPE +
+    cache write + attention (a bf16 model's), and RoPE in torch before KernelAttention (a model
+    with Qwen3's q/k norms: here norms of weight 1)."""
     import specdecode.kernels as kernels
     import specdecode.models.kernel_linear as kernel_linear
     from specdecode.models.invariant import KernelAttention
     from specdecode.models.llama import LlamaModel
 
     target, draft = kernel_pair
-    assert target.kernel_attention and target.fused_layers
-    if path != "fused-layers":
+    assert target.kernel_attention and target.fused_layers and LlamaModel.layers_in_c
+    if path == "fused-layers":
+        monkeypatch.setattr(LlamaModel, "layers_in_c", False)
+    elif path != "layers-in-c":
         monkeypatch.setattr(LlamaModel, "fused_layers", property(lambda self: False))
     if path == "torch-rope":
         for layer in (*target.layers, *draft.layers):
             monkeypatch.setattr(layer, "qk_norm_s", torch.ones(target.cfg.head_dim))
     seen = []
+    kernels.chosen_isa()  # the path's self-check (it calls rope_attention) before the spies
 
     def spy(owner, name, label):
         real = getattr(owner, name)
@@ -585,6 +627,7 @@ def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitte
     spy(KernelAttention, "__call__", "attention")
     spy(kernels, "rope_attention", "rope_attention")
     spy(kernel_linear, "fused_product", "fused")
+    spy(kernels, "layers", "layers")
     params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]]
     base = SpeculativeGenerator(target, batch_invariant=True)
@@ -598,6 +641,7 @@ def test_kernel_attention_gives_target_only_tokens_for_trees_batches_and_admitte
         run.add(prompts[3], params)
         assert [r.token_ids for r in run.results()] == [want[0], want[1], want[3]], kw
     want_seen = {
+        "layers-in-c": {"layers"},
         "fused-layers": {"fused", "rope_attention"},
         "torch-layers": {"rope_attention"},
         "torch-rope": {"attention"},

@@ -125,6 +125,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_attention.restype = ctypes.c_int
     lib.sdk_float_linear.argtypes = [P, L, i, i, P, f, P, i, L, i, i, P, P, L, P, L, i, i]
     lib.sdk_float_linear.restype = ctypes.c_int
+    # desc, nlayers, kv, eps, x, x2, m, hidden, qkv, qbuf, attn, gu, gu_width, then sdk_rope_attention's
+    lib.sdk_layers.argtypes = [P, i, P, f, P, P, i, i, P, P, P, P, i, P, P, L, L, L, L, L, L, L, L, P, i,
+                               P, P, i, i, i, i, i, i, f, i, i]  # fmt: skip
+    lib.sdk_layers.restype = ctypes.c_int
     return lib
 
 
@@ -359,10 +363,107 @@ def rope_attention(
     lib = _lib()
     if lib is None:
         raise SpecDecodeError("the kernel's attention is not built here (no C compiler?)")
-    B, T, H, Hkv, D = shape
     args = (lib, qkv, shape, cos, sin, keys, values, slots, idx, n, scale, threads, isa)
     if checked:
         return _rope_attention_call(*args)
+    idx, n = _rope_arguments(qkv, shape, cos, sin, keys, values, slots, idx, n)
+    return _rope_attention_call(*args[:8], idx, n, *args[10:])
+
+
+PROJ_WORDS = 18  # csrc/sdk_forward.c: one projection's int64 words
+LAYER_WORDS = 4 * PROJ_WORDS + 2  # q|k|v, o, gate|up, down, the two norms' weights
+
+
+def projection_words(parts: list[tuple[PackedWeight | torch.Tensor, torch.Tensor | None]]) -> list[int]:
+    """One projection as sdk_layers reads it: up to three (PackedWeight, bias) parts whose outputs
+    sit side by side, or one (float32 or bfloat16 weight [out, in], bias). The tensors must
+    outlive the words (kernels.layers' caller keeps them)."""
+    if not 1 <= len(parts) <= 3:
+        raise SpecDecodeError("a projection for sdk_layers has one to three parts")
+    words = [len(parts)]
+    floats = [w for w, _ in parts if isinstance(w, torch.Tensor)]
+    for w, b in parts:
+        if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+            raise SpecDecodeError("a bias for sdk_layers must be a contiguous float32 tensor")
+        if isinstance(w, torch.Tensor):
+            words += [0, w.data_ptr(), w.shape[0], 0, _ptr(b) or 0]
+        else:
+            words += [w.code, w.tiles.data_ptr(), w.out_features, w.blocks, _ptr(b) or 0]
+    words += [0] * (1 + 5 * 3 - len(words))
+    if floats:
+        w = floats[0]
+        if len(parts) != 1 or FLOAT_WEIGHTS.get(w.dtype) is None or w.stride(1) != 1:
+            raise SpecDecodeError("a float projection for sdk_layers is one float32 or bfloat16 weight")
+        return words + [FLOAT_WEIGHTS[w.dtype], w.stride(0)]
+    return words + [0, 0]
+
+
+def layers(
+    table: torch.Tensor,
+    count: int,
+    x: torch.Tensor,
+    eps: float,
+    widths: tuple[int, int],
+    shape: tuple[int, int, int, int, int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    slots: torch.Tensor,
+    idx: torch.Tensor,
+    n: torch.Tensor,
+    scale: float,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """The first `count` decoder layers of `table` (int64 [layers, LAYER_WORDS]: per layer the
+    projection_words of q|k|v, o, gate|up and down, then the input norm's and the MLP norm's
+    float32 weights' addresses) over the residual stream x [B * T, hidden] float32, in one C
+    call (csrc/sdk_forward.c): per layer the input norm inside q|k|v, rope_attention into the
+    layer's (keys, values) of `caches`, o plus the residual, the MLP norm inside gate|up, SwiGLU
+    inside down plus the residual: the calls the fused layers make one by one, in their order,
+    so the same bits. widths: (hidden, gate|up outputs). The rest: as rope_attention. Returns a
+    new stream; x is left as it was."""
+    lib = _lib()
+    if lib is None:
+        raise SpecDecodeError("the kernel is not built here (no C compiler?)")
+    B, T, H, Hkv, D = shape
+    hidden, gu_width = widths
+    if table.dtype != torch.int64 or table.shape[1:] != (LAYER_WORDS,) or not table.is_contiguous():
+        raise SpecDecodeError(f"layers: the table must be contiguous int64 [layers, {LAYER_WORDS}]")
+    if not 0 <= count <= table.shape[0] or len(caches) < count:
+        raise SpecDecodeError(
+            f"layers: {count} layers asked of a table of {table.shape[0]} rows and {len(caches)} caches"
+        )
+    if x.shape != (B * T, hidden):
+        raise SpecDecodeError(f"layers: the stream must be [{B * T}, {hidden}]")
+    x = x.to(torch.float32, copy=True).contiguous()
+    keys, values = caches[0]
+    for k, v in caches[:count]:  # every layer's cache of one layout (the C call takes one set of strides)
+        if k.stride() != keys.stride() or v.stride() != values.stride() or k.shape != keys.shape:
+            raise SpecDecodeError("layers: every layer's cache must have the first one's shape and strides")
+    kv = torch.tensor([t.data_ptr() for pair in caches[:count] for t in pair], dtype=torch.int64)
+    q = torch.empty(B * T, (H + 2 * Hkv) * D)
+    idx, n = _rope_arguments(q, shape, cos, sin, keys, values, slots, idx, n)
+    cap = min(keys.shape[2], values.shape[0] * 64)
+    cb = cos.stride(0) if cos.shape[0] > 1 else 0
+    x2, qbuf, attn = torch.empty(B * T, hidden), torch.empty(B * T * H * D), torch.empty(B * T, H * D)
+    gu = torch.empty(B * T, gu_width)
+    rc = lib.sdk_layers(
+        table.data_ptr(), count, kv.data_ptr(), eps, x.data_ptr(), x2.data_ptr(), B * T, hidden,
+        q.data_ptr(), qbuf.data_ptr(), attn.data_ptr(), gu.data_ptr(), gu_width,
+        cos.data_ptr(), sin.data_ptr(), cb, cos.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        slots.data_ptr(), cap, idx.data_ptr(), n.data_ptr(), B, T, H, Hkv, D, idx.shape[-1],
+        scale, _isa_index(isa), threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise _refused(rc, f"a run of {count} layers")
+    return x
+
+
+def _rope_arguments(qkv, shape, cos, sin, keys, values, slots, idx, n) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_attention's checks of its arguments; (idx, n) as contiguous int32."""
+    B, T, H, Hkv, D = shape
     if qkv.dtype != torch.float32 or qkv.shape != (B * T, (H + 2 * Hkv) * D) or qkv.stride(-1) != 1:
         raise SpecDecodeError("rope_attention: qkv must be float32 [B * T, (H + 2 Hkv) * D] rows")
     for name, t in (("cos", cos), ("sin", sin), ("keys", keys), ("values", values)):
@@ -374,8 +475,7 @@ def rope_attention(
         raise SpecDecodeError("rope_attention: values must be chunk-major [chunks, B, Hkv, 64, D]")
     if slots.dtype != torch.int32 or slots.shape != (B, T) or not slots.is_contiguous():
         raise SpecDecodeError("rope_attention: slots must be int32 [B, T]")
-    idx, n = idx.to(torch.int32).contiguous(), n.to(torch.int32).contiguous()
-    return _rope_attention_call(*args[:8], idx, n, *args[10:])
+    return idx.to(torch.int32).contiguous(), n.to(torch.int32).contiguous()
 
 
 def _rope_attention_call(lib, qkv, shape, cos, sin, keys, values, slots, idx, n, scale, threads, isa):

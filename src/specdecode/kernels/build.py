@@ -29,13 +29,14 @@ UNITS = {
     "sdk_core.c": ["-fopenmp"],
     "sdk_ref.c": [],
     "sdk_attn.c": ["-fopenmp"],
+    "sdk_forward.c": [],
     "sdk_attn_avx2.c": ["-fopenmp", "-mavx2"],
     "sdk_attn_avx512.c": ["-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"],
     "sdk_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "sdk_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "sdk_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
 }
-REQUIRED = ("sdk_core.c", "sdk_ref.c", "sdk_attn.c")
+REQUIRED = ("sdk_core.c", "sdk_ref.c", "sdk_attn.c", "sdk_forward.c")
 LIB = "libspecdecode_kernel.so"
 
 

@@ -145,3 +145,12 @@ def fused_product(
         biases=[p.bias for p in parts],
         residual=residual,
     )
+
+
+def projection_parts(lin) -> list[tuple]:
+    """A projection of a model with fused layers as kernels.projection_words takes it: (packed
+    blocks, bias) per KernelLinear part, or (float weight, bias) for a float Linear in layout
+    'kernel'."""
+    if getattr(lin, "layout", None) == "kernel":
+        return [(lin.weight, lin.bias)]
+    return [(p.packed, p.bias) for p in getattr(lin, "parts", [lin])]

@@ -369,6 +369,9 @@ class LlamaModel:
         self.int8_kernels = choose_int8_kernels([lin for _, lin in self.linears()])
 
     # -- capabilities (the engine and drafters ask these, never the class) ------------------
+    # a forward of fused layers with one (tokens, cache) and no aux layers runs all its layers as
+    # one C call (kernels.layers: the fused layers' calls in their order, the same bits)
+    layers_in_c = True
     lean = True  # our runtime: token trees, offsets, early exit, fused inputs, aux layers
 
     @property
@@ -601,7 +604,10 @@ class LlamaModel:
         aux: dict[int, torch.Tensor] = {}  # layer index -> the residual stream entering it
         head = plans[0]  # the layers, invariance and eps every call shares (can_carry)
         fused = head.invariant and self.fused_layers
-        for i, layer in enumerate(head.layers):
+        layers = head.layers
+        if fused and self.layers_in_c and len(jobs) == 1 and not aux_at:
+            x, layers = _c_layers(self, x, jobs[0], len(layers)), []
+        for i, layer in enumerate(layers):
             if i in aux_at:
                 aux[i] = x
             if fused:
@@ -753,6 +759,48 @@ def _fused_attention_block(model: LlamaModel, i: int, layer: _Layer, x, jobs, si
     x = fused_product(layer.o, attn, residual=x)
     gate_up = fused_product(layer.gate_up, x, "rms_norm", layer.mlp_norm_s, d_eps)
     return fused_product(layer.down, gate_up, "swiglu", residual=x)
+
+
+def _c_layers(model: LlamaModel, x: torch.Tensor, job, count: int) -> torch.Tensor:
+    """The first `count` layers as _fused_attention_block runs them, in one C call
+    (kernels.layers) over the one forward `job`; the stream x is not modified."""
+    from ..kernels import layers
+
+    _, cache, plan = job
+    a = plan.attention
+    if a.tables is None:  # as _kernel_rope_attention: float32 tables, once a forward
+        a.tables = tuple(t if t.dtype == torch.float32 else t.float() for t in (plan.cos, plan.sin))
+    caches = [(cache.layer_k[model.kv_index[i]], cache.layer_v[model.kv_index[i]]) for i in range(count)]
+    table, widths = _layer_table(model)
+    return layers(
+        table, count, x, plan.d_eps, widths, plan.shape, *a.tables, caches, a.slots, a.idx, a.n, a.scale
+    )
+
+
+def _layer_table(model: LlamaModel) -> tuple[torch.Tensor, tuple[int, int]]:
+    """kernels.layers' table of the model's layers (built once; built again if a layer's
+    projections or norms were replaced), and (hidden, gate|up outputs)."""
+    from ..kernels import LAYER_WORDS, projection_words
+    from .kernel_linear import projection_parts
+
+    parts = [(la.qkv, la.o, la.gate_up, la.down, la.attn_norm_s, la.mlp_norm_s) for la in model.layers]
+    known = getattr(model, "_c_table", None)
+    if known is not None and all(p is q for a, b in zip(known[0], parts) for p, q in zip(a, b)):
+        return known[1], known[2]
+    hidden = model.cfg.hidden_size
+    widths = (hidden, parts[0][2].out_features)
+    rows = []
+    for *projs, attn_norm, mlp_norm in parts:
+        for norm in (attn_norm, mlp_norm):
+            if norm.dtype != torch.float32 or norm.shape != (hidden,) or not norm.is_contiguous():
+                raise SpecDecodeError("fused layers need float32 norm weights of the hidden width")
+        if projs[2].out_features != widths[1]:
+            raise SpecDecodeError("fused layers in one call need one gate|up width in every layer")
+        row = [w for p in projs for w in projection_words(projection_parts(p))]
+        rows.append(row + [attn_norm.data_ptr(), mlp_norm.data_ptr()])
+    table = torch.tensor(rows, dtype=torch.int64).view(-1, LAYER_WORDS)
+    model._c_table = (parts, table, widths)  # the parts keep every tensor the table points to alive
+    return table, widths
 
 
 def _linear_attention_block(model: LlamaModel, i: int, layer: _Layer, x, tokens, cache, plan: ForwardPlan):
