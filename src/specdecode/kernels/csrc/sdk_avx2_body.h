@@ -19,6 +19,28 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 }
 #endif
 
+/* The Q4_K and Q6_K row loops below are one code for both builds. A sub-block's partial sums:
+ * AVX2 sums vpmaddubsw's int16 pairs as int16 (bounds at each use) and applies the scale with
+ * vpmaddwd against (sc, sc) int16 pairs; AVX-VNNI sums with vpdpbusd into int32 and multiplies
+ * by the int32 scale (vpmulld). Either way the reference's integers, exactly. */
+#ifdef SDK_VNNI256
+#define FIRST(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (w), (x))
+#define ACC(s, w, x) _mm256_dpbusd_avx_epi32((s), (w), (x))
+#define SCALE(s, sc) _mm256_mullo_epi32((s), (sc))
+#define SCPAIR(v) (v)
+#else
+#define FIRST(w, x) _mm256_maddubs_epi16((w), (x))
+#define ACC(s, w, x) _mm256_add_epi16((s), _mm256_maddubs_epi16((w), (x)))
+#define SCALE(s, sc) _mm256_madd_epi16((s), (sc))
+#define SCPAIR(v) _mm256_or_si256(_mm256_and_si256((v), _mm256_set1_epi32(0xffff)), _mm256_slli_epi32((v), 16))
+#endif
+
+#ifdef SDK_VNNI256
+#define HI(i, h) u[i][h]
+#else
+#define HI(i, h) s[i][h]
+#endif
+
 /* pins a value to a register at this point. Without it GCC re-associates the int16 sums into a
  * tree (every product first, spilled to the stack) and loads a weight vector again for each row;
  * with it the pair loop runs 1.5x faster at 8 rows (benchmarks/NOTES.md) */
@@ -37,8 +59,7 @@ static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 
 #define SDK_DIRECT_Q4K 4
 #define SDK_DIRECT_Q6K 2
 
-#ifndef SDK_VNNI256
-/* Without VNNI, rows go in pairs against both halves of the decoded block: each weight vector is
+/* Rows go in pairs against both halves of the decoded block: each weight vector is
  * loaded once for two rows and each broadcast activation once for both halves (one row at a
  * time needs two loads a vpmaddubsw, a pair one). A row's integer sums are the same operations
  * whichever its partner, so its bits do not depend on the pairing. */
@@ -63,14 +84,14 @@ static inline __attribute__((always_inline)) void q4k_rows(const __m256i *w, con
             KEEP(w1);
             for (int i = 0; i < nr; i++) {
                 __m256i xb = bcast4(x[i] + j * 32 + g * 4);
-                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(w0, xb));
-                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(w1, xb));
+                s[i][0] = ACC(s[i][0], w0, xb);
+                s[i][1] = ACC(s[i][1], w1, xb);
                 KEEP(s[i][0]);
                 KEEP(s[i][1]);
             }
         }
         for (int i = 0; i < nr; i++)
-            for (int h = 0; h < 2; h++) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s[i][h], sc[j * 2 + h]));
+            for (int h = 0; h < 2; h++) isum[i][h] = _mm256_add_epi32(isum[i][h], SCALE(s[i][h], sc[j * 2 + h]));
     }
     for (int i = 0; i < nr; i++) {
         const int32_t *xp = a->xp + (size_t)(m0 + r + i) * (kp / 64) + b * 4;
@@ -103,8 +124,8 @@ static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec,
         isum[i][0] = isum[i][1] = _mm256_setzero_si256();
     }
     for (int j = 0; j < 8; j++) {
-        __m256i s[2][2];
-        for (int i = 0; i < nr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+        __m256i s[2][2], u[2][2]; /* u: VNNI's high nibbles, a second chain (vpdpbusd's latency) */
+        for (int i = 0; i < nr; i++) s[i][0] = s[i][1] = u[i][0] = u[i][1] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             const uint8_t *p = rec + (j * 4 + g) * 64;
             PF(p + SDK_Q4K_REC + (j == 7 ? 256 : 0));
@@ -113,20 +134,26 @@ static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec,
             __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
             for (int i = 0; i < nr; i++) {
                 __m256i xl = bcast4(x[i] + j * 32 + g * 4), xh = bcast4(x[i] + j * 32 + (g + 4) * 4);
-                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(lo0, xl));
-                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(lo1, xl));
+                s[i][0] = ACC(s[i][0], lo0, xl);
+                s[i][1] = ACC(s[i][1], lo1, xl);
                 KEEP(s[i][0]);
                 KEEP(s[i][1]);
-                s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(hi0, xh));
-                s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(hi1, xh));
-                KEEP(s[i][0]);
-                KEEP(s[i][1]);
+                HI(i, 0) = ACC(HI(i, 0), hi0, xh);
+                HI(i, 1) = ACC(HI(i, 1), hi1, xh);
+                KEEP(HI(i, 0));
+                KEEP(HI(i, 1));
             }
         }
+#ifdef SDK_VNNI256
+        for (int i = 0; i < nr; i++)
+            for (int h = 0; h < 2; h++) s[i][h] = _mm256_add_epi32(s[i][h], u[i][h]);
+#else
+        (void)u;
+#endif
         for (int h = 0; h < 2; h++) {
             __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
-            sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* (sc, sc) int16 pairs */
-            for (int i = 0; i < nr; i++) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s[i][h], sc));
+            sc = SCPAIR(sc); /* AVX2: (sc, sc) int16 pairs */
+            for (int i = 0; i < nr; i++) isum[i][h] = _mm256_add_epi32(isum[i][h], SCALE(s[i][h], sc));
         }
     }
     for (int i = 0; i < nr; i++) {
@@ -156,7 +183,7 @@ static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec,
 static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec, const sdk_act *a, int b, int m0,
                                                              int r, int nr, float *acc) {
     const int kp = a->kp, nsb = kp / SDK_QK;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03), lo16 = _mm256_set1_epi32(0xffff);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     const uint8_t *scales = rec + SDK_Q6K_INTS;
     const int8_t *x[2];
     __m256i isum[2][2];
@@ -173,8 +200,8 @@ static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec,
         for (int h = 0; h < 2; h++) {
             __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + j * 32 + h * 16)));
             __m256i e = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16), o = _mm256_srai_epi32(v, 16);
-            sce[h] = _mm256_or_si256(_mm256_and_si256(e, lo16), _mm256_slli_epi32(e, 16));
-            sco[h] = _mm256_or_si256(_mm256_and_si256(o, lo16), _mm256_slli_epi32(o, 16));
+            sce[h] = SCPAIR(e);
+            sco[h] = SCPAIR(o);
         }
         for (int g = 0; g < 4; g += 2) {
             __m256i te[2][2], to[2][2]; /* [row][half]: sub-block 2j, 2j + 1 */
@@ -190,16 +217,15 @@ static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec,
                 for (int i = 0; i < nr; i++) {
                     __m256i xe = bcast4(x[i] + j * 32 + gg * 4), xo = bcast4(x[i] + j * 32 + 16 + gg * 4);
                     for (int h = 0; h < 2; h++) {
-                        __m256i pe = _mm256_maddubs_epi16(we[h], xe), po = _mm256_maddubs_epi16(wo[h], xo);
-                        te[i][h] = gg == g ? pe : _mm256_add_epi16(te[i][h], pe);
-                        to[i][h] = gg == g ? po : _mm256_add_epi16(to[i][h], po);
+                        te[i][h] = gg == g ? FIRST(we[h], xe) : ACC(te[i][h], we[h], xe);
+                        to[i][h] = gg == g ? FIRST(wo[h], xo) : ACC(to[i][h], wo[h], xo);
                     }
                 }
             }
             for (int i = 0; i < nr; i++)
                 for (int h = 0; h < 2; h++) {
-                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(te[i][h], sce[h]));
-                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(to[i][h], sco[h]));
+                    isum[i][h] = _mm256_add_epi32(isum[i][h], SCALE(te[i][h], sce[h]));
+                    isum[i][h] = _mm256_add_epi32(isum[i][h], SCALE(to[i][h], sco[h]));
                 }
         }
     }
@@ -247,10 +273,10 @@ static inline __attribute__((always_inline)) void q6k_rows(const __m256i *w, con
             KEEP(w11);
             for (int i = 0; i < nr; i++) {
                 __m256i x0 = bcast4(x[i] + s * 16 + g * 4), x1 = bcast4(x[i] + s * 16 + g * 4 + 4);
-                __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, x0), _mm256_maddubs_epi16(w10, x1));
-                __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w01, x0), _mm256_maddubs_epi16(w11, x1));
-                isum[i][0] = _mm256_add_epi32(isum[i][0], _mm256_madd_epi16(t0, sc[s * 2]));
-                isum[i][1] = _mm256_add_epi32(isum[i][1], _mm256_madd_epi16(t1, sc[s * 2 + 1]));
+                __m256i t0 = ACC(FIRST(w00, x0), w10, x1);
+                __m256i t1 = ACC(FIRST(w01, x0), w11, x1);
+                isum[i][0] = _mm256_add_epi32(isum[i][0], SCALE(t0, sc[s * 2]));
+                isum[i][1] = _mm256_add_epi32(isum[i][1], SCALE(t1, sc[s * 2 + 1]));
                 KEEP(isum[i][0]);
                 KEEP(isum[i][1]);
             }
@@ -270,18 +296,15 @@ static inline __attribute__((always_inline)) void q6k_rows(const __m256i *w, con
         }
     }
 }
-#endif
 
 void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                  uint8_t *scratch) {
     const int kp = a->kp, nsb = kp / SDK_QK, n16 = kp / 16, rows = m1 - m0;
     __m256i *w = (__m256i *)scratch; /* [64 vectors][2 halves] */
     __m256i *sc = w + 128, *mn = w + 160, *pr = w + 168;
-    (void)pr;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     for (int r = 0; r < rows * 2; r++) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());
     if (type == SDK_Q4K) {
-#ifndef SDK_VNNI256
         if (rows <= SDK_DIRECT_Q4K) {
             for (int b = 0; b < nblk; b++, rec += SDK_Q4K_REC) {
                 int r = 0;
@@ -290,7 +313,6 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             }
             return;
         }
-#endif
         for (int b = 0; b < nblk; b++, rec += SDK_Q4K_REC) {
             for (int j = 0; j < 8; j++) {
                 for (int i = 0; i < 4; i++)
@@ -302,10 +324,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     }
                 for (int h = 0; h < 2; h++) {
                     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 2048 + j * 16 + h * 8)));
-#ifndef SDK_VNNI256
-                    v = _mm256_or_si256(v, _mm256_slli_epi32(v, 16)); /* (sc, sc) int16 pairs */
-#endif
-                    sc[j * 2 + h] = v;
+                    sc[j * 2 + h] = SCPAIR(v); /* AVX2: (sc, sc) int16 pairs */
                 }
             }
             for (int q = 0; q < 4; q++) /* minimums as (2q, 2q + 1) int16 pairs per column */
@@ -316,35 +335,11 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2304 + h * 16)));
                 dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2336 + h * 16)));
             }
-#ifdef SDK_VNNI256
-            for (int r = 0; r < rows; r++) {
-                const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
-                const int32_t *xp = a->xp + (size_t)(m0 + r) * (kp / 64) + b * 4;
-                __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
-                for (int h = 0; h < 2; h++) {
-                    __m256i isum = _mm256_setzero_si256(), imin = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j++) {
-                        __m256i s = _mm256_setzero_si256();
-                        for (int g = 0; g < 8; g++) s = dot4(s, w[(j * 8 + g) * 2 + h], bcast4(x + j * 32 + g * 4));
-                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, sc[j * 2 + h]));
-                    }
-                    for (int q = 0; q < 4; q++)
-                        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q * 2 + h], _mm256_set1_epi32(xp[q])));
-                    if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
-                    __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
-                    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);
-                    y = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin[h], av), y);
-                    _mm256_storeu_ps(acc + r * 16 + h * 8, y);
-                }
-            }
-#else
             int r = 0;
             for (; r + 2 <= rows; r += 2) q4k_rows(w, sc, mn, d, dmin, a, b, m0, r, 2, acc);
             if (r < rows) q4k_rows(w, sc, mn, d, dmin, a, b, m0, r, 1, acc);
-#endif
         }
     } else if (type == SDK_Q6K) {
-#ifndef SDK_VNNI256
         if (rows <= SDK_DIRECT_Q6K) {
             for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
                 int r = 0;
@@ -353,7 +348,6 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             }
             return;
         }
-#endif
         for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
             const uint8_t *scales = rec + SDK_Q6K_INTS;
             for (int j = 0; j < 8; j++)
@@ -379,41 +373,15 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 for (int h = 0; h < 2; h++) {
                     /* columns h * 8.. of sub-block s: every second byte from the pairs */
                     __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + (s / 2) * 32 + h * 16)));
-#ifndef SDK_VNNI256
                     if (!(s & 1)) pr[(s / 2) * 2 + h] = v;
-#endif
                     v = (s & 1) ? _mm256_srai_epi32(v, 16) : _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
-#ifndef SDK_VNNI256
-                    v = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
-#endif
-                    sc[s * 2 + h] = v; /* without VNNI: (sc, sc) int16 pairs */
+                    sc[s * 2 + h] = SCPAIR(v); /* AVX2: (sc, sc) int16 pairs */
                 }
             __m256 d[2];
             for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 256 + h * 16)));
-#ifdef SDK_VNNI256
-            for (int r = 0; r < rows; r++) {
-                const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 256;
-                const int32_t *xs = a->xs + (size_t)(m0 + r) * n16 + b * 16;
-                __m256 av = _mm256_set1_ps(a->xa[(size_t)(m0 + r) * nsb + b]);
-                for (int h = 0; h < 2; h++) {
-                    __m256i isum = _mm256_setzero_si256();
-                    for (int s = 0; s < 16; s++) {
-                        __m256i t = _mm256_setzero_si256();
-                        for (int g = 0; g < 4; g++) t = dot4(t, w[(s * 4 + g) * 2 + h], bcast4(x + s * 16 + g * 4));
-                        t = _mm256_sub_epi32(t, _mm256_set1_epi32(32 * xs[s]));
-                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(t, sc[s * 2 + h]));
-                    }
-                    if (sdk_fault && b == 0 && r == 0 && h == 0) isum = _mm256_add_epi32(isum, fault_lane());
-                    __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
-                    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], av), y);
-                    _mm256_storeu_ps(acc + r * 16 + h * 8, y);
-                }
-            }
-#else
             int r = 0;
             for (; r + 2 <= rows; r += 2) q6k_rows(w, sc, pr, d, a, b, m0, r, 2, acc);
             if (r < rows) q6k_rows(w, sc, pr, d, a, b, m0, r, 1, acc);
-#endif
         }
     } else if (type == SDK_Q5_0) {
         const __m256i bit4 = _mm256_set1_epi8(0x10);
