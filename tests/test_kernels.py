@@ -803,3 +803,68 @@ def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(mo
     monkeypatch.setattr(kernels, "selfcheck", lambda isa: isa == "ref")  # nothing else is exact here
     assert kernels.chosen_isa() == "ref"
     kernels.chosen_isa.cache_clear()
+
+
+@pytest.mark.parametrize("isa", SIMD)
+def test_a_products_bits_do_not_depend_on_how_far_ahead_it_prefetches(isa):
+    if not kernels.selfcheck(isa):
+        pytest.skip(f"{isa} does not run here")
+    rng = np.random.default_rng(11)
+    x = rows(rng, 8, 1280)  # 5 records a row of weights: a distance of up to 8 runs past a tile
+    lib = kernels._lib()
+    try:
+        for w in weights(rng, 40, 1280):
+            packed = PackedWeight(w)
+            lib.sdk_set_prefetch(1)
+            want = [kernels.linear(x[:m], packed, isa=isa) for m in range(1, 9)]
+            for blocks in (2, 3, 4, 8):
+                lib.sdk_set_prefetch(blocks)
+                for m in range(1, 9):
+                    got = kernels.linear(x[:m], packed, isa=isa)
+                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, m)
+    finally:
+        lib.sdk_set_prefetch(kernels.prefetch_blocks())
+
+
+def test_the_prefetch_distance_is_one_record_unless_a_longer_one_is_clearly_faster(monkeypatch, tmp_path):
+    class Lib:
+        blocks = 1
+
+        def sdk_set_prefetch(self, blocks):
+            self.blocks = blocks
+
+    lib = Lib()
+    monkeypatch.delenv("SPECDECODE_PREFETCH", raising=False)
+    monkeypatch.setattr(kernels, "_lib", lambda: lib)
+    monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
+    monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
+    for seconds, want in (
+        ({1: 1.0, 2: 0.99, 3: 0.98, 4: 0.97}, 1),  # within PREFETCH_CLEARLY: one record
+        ({1: 1.0, 2: 0.9, 3: 0.7, 4: 0.75}, 3),
+    ):
+        build = tmp_path / str(want)
+        build.mkdir()
+        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
+        monkeypatch.setattr(kernels, "_timed", lambda isa, w, rows, repeats, s=seconds: s[lib.blocks])
+        kernels.prefetch_blocks.cache_clear()
+        try:
+            assert kernels.prefetch_blocks() == want and lib.blocks == want, seconds
+            # a later process reads the recorded choice, sets it and times nothing
+            lib.blocks = 1
+            monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
+            kernels.prefetch_blocks.cache_clear()
+            assert kernels.prefetch_blocks() == want and lib.blocks == want
+        finally:
+            kernels.prefetch_blocks.cache_clear()
+    try:
+        monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx2")  # no other path reads it
+        assert kernels.prefetch_blocks() == 1
+        kernels.prefetch_blocks.cache_clear()
+        monkeypatch.setenv("SPECDECODE_PREFETCH", "2")
+        assert kernels.prefetch_blocks() == 2 and lib.blocks == 2
+        kernels.prefetch_blocks.cache_clear()
+        monkeypatch.setenv("SPECDECODE_PREFETCH", "9")
+        with pytest.raises(SpecDecodeError, match="from 1 to 8"):
+            kernels.prefetch_blocks()
+    finally:
+        kernels.prefetch_blocks.cache_clear()

@@ -30,7 +30,7 @@ from .build import BuildError, built_library
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 5
+ABI = 6
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "PackedWeight",
     "available",
     "chosen_isa",
+    "prefetch_blocks",
     "linear",
     "linear_parts",
     "float_linear",
@@ -86,6 +87,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_linear.restype = ctypes.c_int
     i, L, P, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
     lib.sdk_quantize.argtypes = [P, L, i, i, i, P, f, i, i]
+    lib.sdk_set_prefetch.argtypes = [i]
+    lib.sdk_set_prefetch.restype = None
     lib.sdk_product.argtypes = [i, P, i, i, i, i, P, L, P, P, L, i, i]
     lib.sdk_linear_ex.argtypes = [i, P, i, i, i, P, L, i, P, L, i, P, f, P, P, L, i, i]
     lib.sdk_rope_attention.argtypes = [
@@ -211,7 +214,10 @@ def _rows_in(x: torch.Tensor, k: int, pre: str | None, pre_weight: torch.Tensor 
 
 
 def _isa_index(isa: str | None) -> int:
-    return ISAS.index(isa if isa is not None else chosen_isa())
+    if isa is None:
+        isa = chosen_isa()
+        prefetch_blocks()
+    return ISAS.index(isa)
 
 
 def linear(
@@ -528,7 +534,7 @@ def attention(
         values.data_ptr(), values.stride(0), values.stride(1), values.stride(2),
         idx.data_ptr(), n.data_ptr(), B, T, H, Hkv, D, idx.shape[-1], scale, out.data_ptr(),
         threads or torch.get_num_threads(),
-        ISAS.index(isa) if isa is not None else ISAS.index(chosen_isa()),
+        _isa_index(isa),
     )  # fmt: skip
     if rc != 0:
         raise SpecDecodeError(f"the kernel's attention refused its inputs ({rc})")
@@ -714,6 +720,55 @@ def chosen_isa() -> str:
         tmp.replace(record)
     except OSError:
         pass
+    return chosen
+
+
+PREFETCH = (1, 2, 3, 4)  # records ahead a product of several rows may prefetch
+PREFETCH_CLEARLY = 1.05  # a longer distance is chosen over one record only when this much faster
+
+
+@functools.cache
+def prefetch_blocks() -> int:
+    """How many weight records ahead the AVX-512 path prefetches in a product of two or more rows
+    (one row: one record). It changes speed only, never bits, and the distance that pays is the
+    CPU's: on a Zen 4 EPYC one record, on a Zen 5 EPYC three (a 5-row step of the 1.5B 28.3 ->
+    20.9 ms; benchmarks/NOTES.md). SPECDECODE_PREFETCH=1..8 forces it; else 5 rows through the
+    56 MB of random Q4_K weights are timed at each distance of PREFETCH, interleaved, and one
+    record is kept unless another is PREFETCH_CLEARLY faster (kept in the build's choice.json per
+    CPU, as chosen_isa)."""
+    lib = _lib()
+    if lib is None:
+        return 1
+    forced = os.environ.get("SPECDECODE_PREFETCH")
+    if forced:
+        if not forced.isdigit() or not 1 <= int(forced) <= 8:
+            raise SpecDecodeError(f"SPECDECODE_PREFETCH={forced!r}: give a number of records from 1 to 8")
+        lib.sdk_set_prefetch(int(forced))
+        return int(forced)
+    isa = chosen_isa()
+    if isa != "avx512vnni":  # the only path that reads it
+        return 1
+    key, record = f"{cpu_name()} {isa} prefetch", built_library().parent / "choice.json"
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    chosen = known.get(key)
+    if chosen not in PREFETCH:
+        weights, seconds = _timing_weights(), dict.fromkeys(PREFETCH, float("inf"))
+        for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
+            for blocks in PREFETCH:
+                lib.sdk_set_prefetch(blocks)
+                seconds[blocks] = min(seconds[blocks], _timed(isa, weights, rows=(5,), repeats=1))
+        best = min(PREFETCH, key=seconds.get)
+        chosen = 1 if seconds[1] <= PREFETCH_CLEARLY * seconds[best] else best
+        try:
+            tmp = record.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**known, key: chosen}))
+            tmp.replace(record)
+        except OSError:
+            pass
+    lib.sdk_set_prefetch(chosen)
     return chosen
 
 

@@ -7,6 +7,7 @@
 #include "sdk.h"
 
 int sdk_fault = 0;
+int sdk_pf_blocks = 1;
 
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
