@@ -733,10 +733,10 @@ def prefetch_blocks() -> int:
     or more rows (one row: one record; Q8_0 and Q5_0, whose records are small: 4, or 8 x this when
     above one, at every row count). It changes speed only, never bits, and the distance that pays
     is the CPU's: on a Zen 4 EPYC one record, on a Zen 5 EPYC three or four (a 5-row step of the
-    1.5B 28.3 -> 20.9 ms, of the 0.5B 16.0 -> 13.3; benchmarks/NOTES.md). SPECDECODE_PREFETCH=1..8 forces it; else 5 rows through the
-    56 MB of random Q4_K weights are timed at each distance of PREFETCH, interleaved, and one
-    record is kept unless another is PREFETCH_CLEARLY faster (kept in the build's choice.json per
-    CPU, as chosen_isa)."""
+    1.5B 28.3 -> 20.9 ms, of the 0.5B 16.0 -> 13.3; benchmarks/NOTES.md). SPECDECODE_PREFETCH=1..8
+    forces it; else 5 rows through the 56 MB of random Q4_K weights are timed at each distance of
+    PREFETCH, interleaved, and one record is kept unless another is PREFETCH_CLEARLY faster (kept
+    in the build's choice.json per CPU, as chosen_isa)."""
     lib = _lib()
     if lib is None:
         return 1
