@@ -729,7 +729,7 @@ PREFETCH_CLEARLY = 1.05  # a longer distance is chosen over one record only when
 
 @functools.cache
 def prefetch_blocks() -> int:
-    """How many weight records ahead the AVX-512 path prefetches Q4_K and Q6_K in a product of two
+    """How many weight records ahead the SIMD paths prefetch Q4_K and Q6_K in a product of two
     or more rows (one row: one record; Q8_0 and Q5_0, whose records are small: 4, or 8 x this when
     above one, at every row count). It changes speed only, never bits, and the distance that pays
     is the CPU's: on a Zen 4 EPYC one record, on a Zen 5 EPYC three or four (a 5-row step of the
@@ -747,7 +747,7 @@ def prefetch_blocks() -> int:
         lib.sdk_set_prefetch(int(forced))
         return int(forced)
     isa = chosen_isa()
-    if isa != "avx512vnni":  # the only path that reads it
+    if isa == "ref":  # the scalar reference prefetches nothing
         return 1
     key, record = f"{cpu_name()} {isa} prefetch", built_library().parent / "choice.json"
     try:

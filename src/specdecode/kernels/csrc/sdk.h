@@ -68,7 +68,7 @@ void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, int, floa
 void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 
 extern int sdk_pf_blocks; /* how many records ahead a product of two or more rows prefetches (the
-                           * AVX-512 path's Q4_K and Q6_K; one row: one record). Speed only, never
+                           * SIMD paths' Q4_K and Q6_K; one row: one record). Speed only, never
                            * bits: set by sdk_set_prefetch from a timing (kernels.prefetch_blocks) */
 extern int sdk_fault; /* tests only: a path adds 1 to lane 3 of one integer sum, and one ulp to column 3
                        * of row 0 of a float product (negative control) */

@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void q4k_rows(const __m256i *w, con
  * (stores and loads that a one-row step cannot pay back). The int16 sums take the same terms in
  * another order: every partial sum is at most 8 x 3810 = 30480, so they are the same integers. */
 static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec, const sdk_act *a, int b, int m0,
-                                                             int r, int nr, float *acc) {
+                                                             int r, int nr, float *acc, long pf) {
     const int kp = a->kp, nsb = kp / SDK_QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int8_t *x[2];
@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec,
         for (int i = 0; i < nr; i++) s[i][0] = s[i][1] = u[i][0] = u[i][1] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             const uint8_t *p = rec + (j * 4 + g) * 64;
-            PF(p + SDK_Q4K_REC + (j == 7 ? 256 : 0));
+            PF(p + pf + (j == 7 ? 256 : 0));
             __m256i v0 = LD(p), v1 = LD(p + 32);
             __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
             __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void q4k_direct(const uint8_t *rec,
  * become sub-blocks 2j and 2j + 1 in registers; the same integer terms as q6k_rows, summed two
  * products at a time into int16 (at most 32004), each such sum times its scale by vpmaddwd. */
 static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec, const sdk_act *a, int b, int m0,
-                                                             int r, int nr, float *acc) {
+                                                             int r, int nr, float *acc, long pf) {
     const int kp = a->kp, nsb = kp / SDK_QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     const uint8_t *scales = rec + SDK_Q6K_INTS;
@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec,
     }
     for (int j = 0; j < 8; j++) {
         const uint8_t *chunk = rec + j * 384;
-        for (int l = 0; l < 6; l++) PF2(chunk + SDK_Q6K_REC + l * 64);
+        for (int l = 0; l < 6; l++) PF2(chunk + pf + l * 64);
         if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
         /* the scales of sub-blocks 2j (even) and 2j + 1 (odd) per column, as (sc, sc) int16 pairs */
         __m256i sce[2], sco[2];
@@ -303,13 +303,19 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
     __m256i *w = (__m256i *)scratch; /* [64 vectors][2 halves] */
     __m256i *sc = w + 128, *mn = w + 160, *pr = w + 168;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    /* how far ahead the reads prefetch (sdk_avx512vnni.c: one record for one row, else the timed
+     * distance; Q5_0 and Q8_0 four records, or 8 x the distance when it is above one) */
+    const long pf4 = rows == 1 ? SDK_Q4K_REC : (long)sdk_pf_blocks * SDK_Q4K_REC;
+    const long pf6 = rows == 1 ? SDK_Q6K_REC : (long)sdk_pf_blocks * SDK_Q6K_REC;
+    const long pf5 = sdk_pf_blocks == 1 ? 4L * SDK_Q5_REC : 8L * sdk_pf_blocks * SDK_Q5_REC;
+    const long pf8 = sdk_pf_blocks == 1 ? 4L * SDK_Q8_REC : 8L * sdk_pf_blocks * SDK_Q8_REC;
     for (int r = 0; r < rows * 2; r++) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());
     if (type == SDK_Q4K) {
         if (rows <= SDK_DIRECT_Q4K) {
             for (int b = 0; b < nblk; b++, rec += SDK_Q4K_REC) {
                 int r = 0;
-                for (; r + 2 <= rows; r += 2) q4k_direct(rec, a, b, m0, r, 2, acc);
-                if (r < rows) q4k_direct(rec, a, b, m0, r, 1, acc);
+                for (; r + 2 <= rows; r += 2) q4k_direct(rec, a, b, m0, r, 2, acc, pf4);
+                if (r < rows) q4k_direct(rec, a, b, m0, r, 1, acc, pf4);
             }
             return;
         }
@@ -318,7 +324,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 for (int i = 0; i < 4; i++)
                     for (int h = 0; h < 2; h++) {
                         __m256i v = LD(rec + (j * 4 + i) * 64 + h * 32);
-                        if (!h) PF(rec + SDK_Q4K_REC + (j * 4 + i) * 64 + (j == 7 ? 256 : 0));
+                        if (!h) PF(rec + pf4 + (j * 4 + i) * 64 + (j == 7 ? 256 : 0));
                         w[(j * 8 + i) * 2 + h] = _mm256_and_si256(v, low4);
                         w[(j * 8 + i + 4) * 2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     }
@@ -343,8 +349,8 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
         if (rows <= SDK_DIRECT_Q6K) {
             for (int b = 0; b < nblk; b++, rec += SDK_Q6K_REC) {
                 int r = 0;
-                for (; r + 2 <= rows; r += 2) q6k_direct(rec, a, b, m0, r, 2, acc);
-                if (r < rows) q6k_direct(rec, a, b, m0, r, 1, acc);
+                for (; r + 2 <= rows; r += 2) q6k_direct(rec, a, b, m0, r, 2, acc, pf6);
+                if (r < rows) q6k_direct(rec, a, b, m0, r, 1, acc, pf6);
             }
             return;
         }
@@ -356,7 +362,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     __m256i h0 = LD(chunk + 256 + h * 32);
                     __m256i h1 = LD(chunk + 320 + h * 32);
                     if (!h) {
-                        for (int l = 0; l < 6; l++) PF2(chunk + SDK_Q6K_REC + l * 64);
+                        for (int l = 0; l < 6; l++) PF2(chunk + pf6 + l * 64);
                         if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
                     }
                     for (int i = 0; i < 4; i++) {
@@ -391,10 +397,10 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit */
             for (int h = 0; h < 2; h++) {
                 __m256i pl = LD(rec + 256 + h * 32);
-                if (!h) PF(rec + 4 * SDK_Q5_REC + 256);
+                if (!h) PF(rec + pf5 + 256);
                 for (int i = 0; i < 4; i++) {
                     __m256i u = LD(rec + i * 64 + h * 32);
-                    if (!h) PF(rec + 4 * SDK_Q5_REC + i * 64);
+                    if (!h) PF(rec + pf5 + i * 64);
                     __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(pl, 4 - i), bit4);
                     __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(pl, i), bit4);
                     v[i * 2 + h] = _mm256_or_si256(_mm256_and_si256(u, low4), b0);
@@ -441,7 +447,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++) {
                     __m256i u = LD(rec + g * 64 + h * 32);
-                    if (!h) PF(rec + 4 * SDK_Q8_REC + g * 64);
+                    if (!h) PF(rec + pf8 + g * 64);
 #ifdef SDK_VNNI256
                     v[g * 2 + h] = u;
                     sg[g * 2 + h] = u;
