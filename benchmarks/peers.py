@@ -317,6 +317,13 @@ def main() -> int:
             gens[f"ours draft, whole head (k={k})"] = SpeculativeGenerator(
                 target, draft=draft, k=k, batch_invariant=inv, policy=policy
             )
+            gens[f"ours draft, list head always (k={k})"] = SpeculativeGenerator(
+                target, draft=draft, k=k, batch_invariant=inv, policy=policy, draft_vocab=vocab,
+                draft_vocab_fallback=0,
+            )
+            gens[f"ours auto, whole head (k={k})"] = SpeculativeGenerator(
+                target, draft=draft, method="auto", k=k, batch_invariant=inv, policy=policy
+            )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         for name, g in gens.items():
             run = partial(run_ours, g, params)

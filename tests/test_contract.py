@@ -149,6 +149,9 @@ JOINT_CASES = [
     ("draft", {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"}, [5, 9, 2, 7, 1, 3, 5, 9]),
     ("eagle3", {"tree": "2,2", "draft_dtype": "int4"}, PROMPT),
     ("draft", {"k": 2, "draft_vocab": 10}, PROMPT),
+    # a row whose first token leaves the list (>= 10: a quarter of a 3-token window) drafts with
+    # the whole head in the next round, so rows of one batch draft from either head
+    ("draft", {"k": 2, "draft_vocab": 10, "draft_vocab_fallback": 3}, PROMPT),
 ]
 # the negative control per family: the engine that redraws from p after a rejection fails
 NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [

@@ -100,3 +100,86 @@ def test_a_shipped_list_is_used_by_name_and_the_whole_head_is_the_default(pair_d
 def test_the_shipped_list_is_a_ranked_list_of_distinct_qwen_ids():
     ids = json.loads((dv.VOCAB_DIR / "qwen2.5-coder.json").read_text())
     assert len(ids) == 32768 == len(set(ids)) and all(0 <= i < 151936 for i in ids)
+
+
+def _reduced(pair_dir, size=40, **kw):
+    from specdecode.models import load
+
+    target, draft = (load(p) for p in pair_dir)
+    return target, draft, dv.ReducedHeadModel(draft, dv.frequent_ids(draft, size), **kw)
+
+
+def test_a_row_whose_recent_tokens_leave_the_list_drafts_with_the_whole_heads_own_bits(pair_dir):
+    import torch
+
+    _, draft, reduced = _reduced(pair_dir, 40, fallback=6)
+    inside, outside = [1, 2, 3, 4, 5, 6, 7], [1, 2, 50, 3, 4, 51, 5]  # 0, 2 of the last 6 out (a quarter: 2)
+    one_out = [50, 1, 2, 3, 4, 5, 6]  # its outsider is 7 tokens back: out of the window
+    tokens = torch.tensor([inside, outside, one_out])
+    whole = reduced.choose_heads(tokens, torch.tensor([7, 7, 7]))
+    assert whole.tolist() == [False, True, False]
+    assert reduced.choose_heads(tokens, torch.tensor([7, 5, 7])).tolist() == [False, False, False]  # 1 of 5
+
+    def logits(model, rows, whole_rows=None):
+        cache = model.new_cache(len(rows), 16, invariant=True)
+        if whole_rows is not None:
+            model.whole_rows = torch.tensor(whole_rows)
+        out, _ = model.forward(torch.tensor(rows), cache)
+        return out[:, -1]
+
+    mixed = logits(reduced, [inside, outside, one_out], [False, True, False])
+    plain = logits(draft, [inside, outside, one_out])
+    assert torch.equal(mixed[1], plain[1])  # the whole head: the model's own logits, bit for bit
+    ids = dv.frequent_ids(draft, 40)
+    for r in (0, 2):
+        assert torch.equal(mixed[r, ids], plain[r, ids])  # the list's rows of the same head
+        rest = torch.ones(draft.vocab_size, dtype=torch.bool)
+        rest[ids] = False
+        assert torch.isinf(mixed[r, rest]).all()
+    alone = logits(reduced, [inside], [False])  # a row's logits do not depend on its batch
+    assert torch.equal(alone[0], mixed[0])
+    reduced.fallback = 0  # the list's head always
+    assert reduced.choose_heads(tokens, torch.tensor([7, 7, 7])) is None and reduced.whole_rows is None
+
+
+def test_greedy_with_a_list_and_its_fallback_equals_target_only_in_a_ragged_batch(pair_dir):
+    from specdecode import SpecConfig
+
+    target, draft, _ = _reduced(pair_dir)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [45, 50, 2, 60, 3], [9, 8, 7, 6, 5, 4, 3]]  # inside, outside, inside
+    solo = SpeculativeGenerator(target, batch_invariant=True)
+    want = [r.token_ids for r in solo.generate(prompts, params)]
+    for fallback in (None, 0, 3):  # 3: a quarter of 3 tokens is one, so the second prompt falls back
+        config = SpecConfig(
+            method="draft", k=3, draft_vocab=40, draft_vocab_fallback=fallback, batch_invariant=True
+        )
+        gen = SpeculativeGenerator(target, draft=draft, config=config)
+        got = gen.generate(prompts, params)
+        assert [r.token_ids for r in got] == want
+        assert sum(r.stats.drafted for r in got) > 0
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_fallback_is_a_one_line_error(value):
+    from specdecode import SpecConfig
+
+    with pytest.raises(dv.SpecDecodeError, match="draft_vocab_fallback must be an integer >= 0"):
+        SpecConfig(method="draft", draft_vocab=40, draft_vocab_fallback=value)
+
+
+def test_the_zoo_draft_gets_its_shipped_list_by_default_where_our_cpu_runtime_runs_it():
+    from specdecode.opener import default_draft_vocab
+
+    draft = "qwen2.5-coder-0.5b"
+    assert default_draft_vocab(draft, "draft", "auto", "cpu") == "qwen2.5-coder" in dv.SHIPPED
+    assert default_draft_vocab(draft, "auto", "lean", "cpu") == "qwen2.5-coder"
+    for args in [
+        (draft, "draft", "openvino", "cpu"),
+        (draft, "draft", "hf", "cpu"),
+        (draft, "draft", "auto", "cuda"),
+        (draft, "suffix", "auto", "cpu"),
+        ("smollm2-135m", "draft", "auto", "cpu"),
+        (None, "auto", "auto", "cpu"),
+    ]:
+        assert default_draft_vocab(*args) is None, args

@@ -148,6 +148,19 @@ def spec_fields(config: SpecConfig, keep_default_policy: bool = False) -> dict:
     return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
 
 
+def default_draft_vocab(draft: str | None, method: str | None, backend: str, device: str) -> str | None:
+    """The draft head's list when none is given: a zoo draft model's shipped list (the
+    Qwen2.5-Coder 0.5B: 32,768 ids, with the per-row fallback to the whole head; measured on the
+    pair, benchmarks/NOTES.md issue 53) where our lean runtime runs it on the CPU; else the whole
+    head."""
+    from .models import ZOO
+
+    entry = ZOO.get(str(draft)) if draft is not None else None
+    if entry is None or method not in ("draft", "auto") or backend not in ("auto", "lean") or device != "cpu":
+        return None
+    return entry.draft_vocab
+
+
 def default_policy(method: str | None, has_draft_model: bool, tree: bool = False) -> str:
     """The draft-length policy when none is given: fixed for a token tree (its shape is fixed);
     confidence for a draft model (draft, auto:
@@ -224,6 +237,8 @@ def open_models(
     k = k if k is not None else SpecConfig.k
     if options.get("policy") is None:
         options["policy"] = default_policy(method, draft is not None, options.get("tree") is not None)
+    if options.get("draft_vocab") is None:
+        options["draft_vocab"] = default_draft_vocab(draft, method, backend, resolve_device(device).type)
     # validate the options before anything loads (SpecConfig's one-line errors)
     base = SpecConfig(method=method, k=k, **options)
     if backend == "openvino":

@@ -28,7 +28,8 @@ def register(sub) -> None:
         help="drafting method (default: draft with --draft, auto for a known model, else none); "
         "none: no speculation",
     )
-    add_spec_flags(c, ("k", "policy", "heads", "draft_dtype", "draft_vocab"), k=None, policy=None)
+    spec = ("k", "policy", "heads", "draft_dtype", "draft_vocab", "draft_vocab_fallback")
+    add_spec_flags(c, spec, k=None, policy=None)
     c.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     add_sampling_flags(
         c,

@@ -118,6 +118,14 @@ OPTIONS: tuple[Option, ...] = (
         type=lambda s: int(s) if s.isdigit() else s,
         metavar="N|FILE.json",
     ),
+    Option(
+        "draft_vocab_fallback",
+        "with --draft-vocab: a row drafts with the whole head in a round where a quarter or more of its "
+        "last N tokens (prompt and output) lie outside the list, e.g. prose in a language the list's "
+        "corpus lacked; 0: the list's head always. Never changes the output (default: 64)",
+        type=int,
+        metavar="N",
+    ),
 )
 BY_FIELD = {o.field: o for o in OPTIONS}
 

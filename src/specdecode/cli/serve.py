@@ -38,7 +38,9 @@ def register(sub) -> None:
         "suffix, auto (suffix when a long match exists, else the draft model or the bundled EAGLE-3 "
         "drafter); 'none' for target-only. Default: auto for smollm2-135m, draft with --draft, else none",
     )
-    add_spec_flags(s, ("heads", "k", "policy", "tree", "tree_sampling", "draft_dtype", "draft_vocab"), k=None)
+    spec = ("heads", "k", "policy", "tree", "tree_sampling")
+    spec += ("draft_dtype", "draft_vocab", "draft_vocab_fallback")
+    add_spec_flags(s, spec, k=None)
     s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )

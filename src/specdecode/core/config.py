@@ -51,6 +51,10 @@ class SpecConfig:
     roughly by frequency) or a JSON file of ids in frequency order; EOS tokens always kept;
     a shipped list's name (models/draft_vocab.py: SHIPPED, e.g. "qwen2.5-coder"); "full" or None:
     the whole vocabulary.
+    draft_vocab_fallback (with draft_vocab): a row drafts with the whole head in a round where a
+    quarter or more of its last N tokens (prompt and output) are outside the list (text in a
+    language the list's corpus lacked); None: N = 64; 0: the list's head always. Decided from the
+    row's own tokens, so exact either way.
     suffix_cache (suffix, auto): a drafters.suffix.SuffixCache of earlier requests to draft from,
     shared on purpose between the generators given it; None (default): the generator's drafter
     keeps its own, empty at the start (SpeculativeGenerator.forget() empties it)."""
@@ -73,6 +77,7 @@ class SpecConfig:
     load_costs: Any = None
     draft_dtype: str | None = None
     draft_vocab: int | str | Path | None = None
+    draft_vocab_fallback: int | None = None
     suffix_cache: Any = None
 
     def __post_init__(self) -> None:
@@ -105,6 +110,9 @@ class SpecConfig:
                 )
             if isinstance(v, bool) or (isinstance(v, int) and v < 2):
                 raise SpecDecodeError(f"draft_vocab must be an integer >= 2 or a JSON file, got {v!r}")
+        f = self.draft_vocab_fallback
+        if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
+            raise SpecDecodeError(f"draft_vocab_fallback must be an integer >= 0, got {f!r}")
         if self.max_k is not None and self.max_k < 1:
             raise SpecDecodeError(f"max_k must be >= 1, got {self.max_k}")
         if self.rollback is not None and self.rollback not in ("snapshot", "recompute"):

@@ -52,7 +52,9 @@ class AutoDrafter(Drafter):
         if draft is not None and config.heads is not None:
             raise SpecDecodeError("auto drafts with a draft model or with EAGLE-3 heads, not both; drop one")
         if draft is not None:
-            inner: Drafter | None = DraftModelDrafter(draft, target, config.draft_vocab)
+            inner: Drafter | None = DraftModelDrafter(
+                draft, target, config.draft_vocab, fallback=config.draft_vocab_fallback
+            )
         else:
             inner = Eagle3Drafter(target, config.heads) if config.heads is not None else None
         return cls(SuffixDrafter.create(target, None, config), inner)

@@ -40,9 +40,18 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     supports_tree = True
 
-    def __init__(self, draft: CausalLM, target: CausalLM, draft_vocab=None, chains: bool = True) -> None:
+    def __init__(
+        self,
+        draft: CausalLM,
+        target: CausalLM,
+        draft_vocab=None,
+        chains: bool = True,
+        fallback: int | None = None,
+    ) -> None:
         """draft_vocab: the draft's head over only its N most frequent tokens (an int N, or a JSON
         file of token ids in frequency order; models/draft_vocab.py), FR-Spec; None: all.
+        fallback: with a draft_vocab, a row drafts with the whole head while its last `fallback`
+        tokens hold tokens outside the list (models/draft_vocab.py; 0: never; None: the default).
         chains: it drafts chains only (no token tree), so its cache may be batch-invariant."""
         self.chains = chains
         if draft.vocab_size != target.vocab_size:
@@ -59,11 +68,12 @@ class DraftModelDrafter(Drafter):
         # None: it writes the same cache (a draft's weights change its drafts, never the output)
         self.prefill_model = getattr(draft, "prefill_model", None)
         if draft_vocab not in (None, "full"):  # "full": the whole vocabulary
-            from ..models.draft_vocab import ReducedHeadModel, frequent_ids
+            from ..models.draft_vocab import FALLBACK, ReducedHeadModel, frequent_ids
 
             if not draft.lean:
                 raise SpecDecodeError("a draft vocabulary needs our lean runtime for the draft model")
-            self.model = ReducedHeadModel(draft, frequent_ids(draft, draft_vocab))
+            ids = frequent_ids(draft, draft_vocab)
+            self.model = ReducedHeadModel(draft, ids, FALLBACK if fallback is None else fallback)
 
     @property
     def weights_dtype(self) -> str | None:
@@ -79,7 +89,8 @@ class DraftModelDrafter(Drafter):
     def create(cls, target, draft, config) -> DraftModelDrafter:
         if draft is None:
             raise SpecDecodeError("method 'draft' needs a draft model (--draft MODEL)")
-        return cls(draft, target, config.draft_vocab, chains=config.tree is None)
+        chains, fallback = config.tree is None, config.draft_vocab_fallback
+        return cls(draft, target, config.draft_vocab, chains=chains, fallback=fallback)
 
     keeps_prefix = True
     prefills_own = True
@@ -178,9 +189,29 @@ class DraftModelDrafter(Drafter):
         state.cache.write_block(row, start, *saved)
         state.cache.lengths[row] = start + BLOCK
 
+    def _choose_heads(self, ctx: DraftContext) -> None:
+        """With a draft vocabulary: which rows draft with the whole head this round (from each
+        row's own tokens; models/draft_vocab.py)."""
+        choose = getattr(self.model, "choose_heads", None)
+        if choose is not None:
+            choose(ctx.tokens, ctx.lengths)
+
+    def _heads_done(self) -> None:
+        if hasattr(self.model, "choose_heads"):
+            self.model.whole_rows = None
+
     @torch.inference_mode()
     def propose(
         self, state: DraftModelState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None = None
+    ) -> Proposal:
+        self._choose_heads(ctx)
+        try:
+            return self._propose(state, ctx, limits, stop_below)
+        finally:
+            self._heads_done()
+
+    def _propose(
+        self, state: DraftModelState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None
     ) -> Proposal:
         self._catch_up(state, ctx)
         if bool(state.cold.any()):
@@ -211,6 +242,13 @@ class DraftModelDrafter(Drafter):
     def propose_tree(self, state: DraftModelState, ctx: DraftContext, tree: TokenTree):
         """Candidates level by level (TreeDraw: top-ranked, or drawn from the draft's q after
         their parent), one draft forward per level with the tree's attention mask."""
+        self._choose_heads(ctx)
+        try:
+            return self._propose_tree(state, ctx, tree)
+        finally:
+            self._heads_done()
+
+    def _propose_tree(self, state: DraftModelState, ctx: DraftContext, tree: TokenTree):
         B, cache = ctx.size, state.cache
         logits, _ = extend(self.model, cache, ctx.tokens, ctx.lengths)  # after the pending token
         base = cache.lengths  # the pending token is at base - 1

@@ -11,6 +11,15 @@ are kept), or, by default, the token ids themselves: a byte-level BPE vocabulary
 Llama 3, SmolLM2) numbers its tokens in merge order, and a merge made early is a frequent pair
 in the tokenizer's training corpus, so the N lowest ids approximate the N most frequent tokens
 without any data. The model's special tokens (EOS, end of turn) are always kept.
+
+Per row, the whole head where the list does not fit: a row whose last `fallback` tokens (prompt
+and output) are a quarter or more outside the list (the special tokens and what the chat
+template writes itself do not count) drafts that round with the model's whole head (the list's
+head can never propose what the target is writing there: a language the list's corpus lacked).
+The choice is a function of the row's own committed tokens, made before the round, so each draft
+is still drawn from the q it reports and a row's drafts do not depend on its batch: exact either
+way, and the same bits as the whole head's where a row falls back (the list's head is the whole
+head's own rows).
 """
 
 from __future__ import annotations
@@ -29,10 +38,18 @@ from .quant import QUANT_KINDS, linear_nbytes, quantized_linear
 VOCAB_DIR = Path(__file__).parent / "vocab"
 # shipped frequency-ranked lists, usable by name (`--draft-vocab qwen2.5-coder`): built by
 # `specdecode draft-vocab` from the 1.5B's greedy answers to 640 prompts of
-# data/distill-prompts.jsonl (none of the benchmark sets). Not a default: on the machines
-# measured it changed the pair's speed by -5% to +4% (benchmarks/NOTES.md, issue 35)
+# data/distill-prompts.jsonl (none of the benchmark sets). The zoo's Qwen2.5-Coder 0.5B drafts
+# over it by default (models/zoo.py draft_vocab, opener.default_draft_vocab): with the fallback
+# below, +10-12% on code and HumanEval on a Zen 5 EPYC (benchmarks/NOTES.md, issue 53; -5% to +4%
+# on a Zen 4 before the kernel made verification cheap, issue 35)
 SHIPPED = ("qwen2.5-coder",)
-FULL = "full"  # draft_vocab value: the whole vocabulary (the default)
+FULL = "full"  # draft_vocab value: the whole vocabulary (the default for other draft models)
+FALLBACK = 64  # tokens of a row's context that decide its head (0: the list's head always)
+# A quarter or more of them outside the list: the whole head. Outside the shipped list, measured
+# (benchmarks/NOTES.md, issue 53): Python 3%, English prose 11%, German 32%, Chinese 71% of the
+# tokens. On Spec-Bench's English the list's head lost 11% of tau and saved 27% of the draft's
+# time a round, a net gain; prose the list cannot write falls back.
+FALLBACK_SHARE = 4
 
 
 def vocab_path(value: str | Path) -> Path:
@@ -76,14 +93,36 @@ def frequent_ids(model, size: int | str | Path) -> torch.Tensor:
     return torch.tensor(sorted(keep), dtype=torch.long, device=model.device)
 
 
+def _template_ids(model) -> list[int]:
+    """The special tokens and the ids of an empty chat turn as the model's template writes it."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return []
+    found = [tok.token_id(v) for v in getattr(tok, "special", {}).values() if isinstance(v, str)]
+    try:
+        found += tok.encode_chat([{"role": "user", "content": ""}])
+    except SpecDecodeError:  # no chat template
+        pass
+    return [i for i in found if i is not None]
+
+
 class ReducedHeadModel:
     """A lean draft model seen through a head over `ids` only: forward() returns logits over
     the full vocabulary with -inf outside `ids`. Everything else is the model's own."""
 
-    def __init__(self, model, ids: torch.Tensor) -> None:
+    def __init__(self, model, ids: torch.Tensor, fallback: int = FALLBACK) -> None:
         if not model.lean:
             raise SpecDecodeError("a draft vocabulary needs our lean runtime for the draft model")
-        self.inner, self.ids = model, ids
+        if not isinstance(fallback, int) or isinstance(fallback, bool) or fallback < 0:
+            raise SpecDecodeError(f"draft_vocab_fallback must be an integer >= 0, got {fallback!r}")
+        self.inner, self.ids, self.fallback = model, ids, fallback
+        # tokens that do not count against the list: its own, the special tokens and what the chat
+        # template writes itself (role markers, a default system prompt): every chat prompt ends
+        # in some, and they say nothing about the language of the answer
+        self.listed = torch.zeros(model.vocab_size, dtype=torch.bool, device=ids.device)
+        self.listed[ids] = True
+        self.listed[[i for i in _template_ids(model) if 0 <= i < model.vocab_size]] = True
+        self.whole_rows: torch.Tensor | None = None  # [B] bool: rows on the whole head this round
         kind = model.quant if model.quant in QUANT_KINDS else ("int8" if model.quant else None)
         head = getattr(model, "_head", None)
         if hasattr(head, "rows"):  # kq: the head's own blocks for these ids, as they are
@@ -105,6 +144,20 @@ class ReducedHeadModel:
         self._head = quantized_linear([self.inner.lm_head.index_select(0, self.ids).float()], None, kind)
         return self
 
+    def choose_heads(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+        """Per row of tokens [B, L] (lengths [B] of them its own): True where a quarter or more of
+        the row's last `fallback` tokens are outside the list (that row drafts with the whole head
+        until this is asked again); None with fallback 0."""
+        if not self.fallback:
+            self.whole_rows = None
+            return None
+        back = torch.arange(1, self.fallback + 1, device=tokens.device)
+        at = lengths.to(tokens.device).view(-1, 1) - back  # the last `fallback` positions
+        seen = tokens.gather(1, at.clamp(min=0))
+        outside = ~self.listed[seen] & (at >= 0)
+        self.whole_rows = outside.sum(1) >= -(-self.fallback // FALLBACK_SHARE)
+        return self.whole_rows
+
     def weight_bytes(self) -> int:
         full = linear_nbytes(self.inner._head)
         return self.inner.weight_bytes() - full + linear_nbytes(self._head)
@@ -118,7 +171,25 @@ class ReducedHeadModel:
         h = hidden
         if meta.logits_at is not None and T > 1:
             h = hidden[torch.arange(B, device=hidden.device), meta.logits_at].unsqueeze(1)
-        small = self._head(h.reshape(-1, h.shape[-1]), invariant=getattr(cache, "invariant", False))
-        full = small.new_full((small.shape[0], self.inner.vocab_size), float("-inf"))
-        full.index_copy_(1, self.ids, small)
-        return full.view(B, h.shape[1], -1), (hidden if meta.return_hidden else None)
+        inv = getattr(cache, "invariant", False)
+        whole = self.whole_rows
+        if whole is not None and whole.shape[0] != B:
+            raise SpecDecodeError(f"choose_heads saw {whole.shape[0]} rows, the forward has {B}")
+        V, n, width = self.inner.vocab_size, h.shape[1], h.shape[-1]
+        listed = None if whole is None else ~whole
+        small = whole_logits = None
+        if listed is None or bool(listed.any()):
+            small = self._head((h if listed is None else h[listed]).reshape(-1, width), invariant=inv)
+        if whole is not None and bool(whole.any()):  # the model's own head: the same bits as without a list
+            whole_logits = self.inner._head(h[whole].reshape(-1, width), invariant=inv)
+        dtype = (small if small is not None else whole_logits).dtype
+        logits = h.new_full((B, n, V), float("-inf"), dtype=dtype)
+        if small is not None:
+            part = small.new_full((small.shape[0], V), float("-inf")).index_copy_(1, self.ids, small)
+            if listed is None:
+                logits = part.view(B, n, V)
+            else:
+                logits[listed] = part.view(-1, n, V).to(dtype)
+        if whole_logits is not None:
+            logits[whole] = whole_logits.view(-1, n, V).to(dtype)
+        return logits, (hidden if meta.return_hidden else None)

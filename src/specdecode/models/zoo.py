@@ -39,6 +39,7 @@ class ZooModel:
     install: str  # the command that installs it
     description: str = ""
     licence: str = ""
+    draft_vocab: str | None = None  # as a draft model: its head's shipped list (models/draft_vocab.py)
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -72,6 +73,7 @@ class ChunkedZooModel:
     sha256: str
     description: str = ""
     licence: str = ""
+    draft_vocab: str | None = None  # as a draft model: its head's shipped list (models/draft_vocab.py)
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -187,5 +189,6 @@ ZOO: dict[str, ZooModel | ChunkedZooModel] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M from the AWQ checkpoint (qwen2, 0.63B parameters)",
         licence=_QWEN_LICENCE,
+        draft_vocab="qwen2.5-coder",
     ),
 }
