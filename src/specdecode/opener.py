@@ -24,7 +24,7 @@ from .autotune import TARGET_CANDIDATES, Choice, Shapes, choose
 from .core.config import SpecConfig
 from .errors import SpecDecodeError
 from .formats import AUTO, BACKENDS, FORMATS, check_format, weight_format
-from .models.draft_vocab import FULL, vocab_size
+from .models.draft_vocab import FALLBACK, FULL, vocab_size
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "auto")  # methods whose drafter has weights of its own
 
@@ -146,6 +146,14 @@ def spec_fields(config: SpecConfig, keep_default_policy: bool = False) -> dict:
 
     skip = ("method", "draft_dtype", "batch_invariant", *(("policy",) if keep_default_policy else ()))
     return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
+
+
+def _head_fallback(config: SpecConfig) -> str:
+    """How a draft_vocab head falls back, in words (the choice line)."""
+    window = FALLBACK if config.draft_vocab_fallback is None else config.draft_vocab_fallback
+    if not window:
+        return "always; --draft-vocab full for the whole head"
+    return f"the whole head where a quarter of a row's last {window} tokens are outside it"
 
 
 def default_draft_vocab(draft: str | None, method: str | None, backend: str, device: str) -> str | None:
@@ -273,7 +281,10 @@ def open_models(
         d = _pinned_draft(draft_dtype, t, draft_shapes is not None, backend) if has_draft_model else None
         choice = Choice(t, d, base.k, invariant, "pinned" if asked not in (None, AUTO) else "default")
     if dtype == AUTO or draft_auto or backend == "openvino":
-        log(choice.line() + ("; OpenVINO's CPU plugin" if backend == "openvino" else ""))
+        line = choice.line() + ("; OpenVINO's CPU plugin" if backend == "openvino" else "")
+        if has_draft_model and base.draft_vocab not in (None, FULL):
+            line += f"; the draft's head over {base.draft_vocab!s} ({_head_fallback(base)})"
+        log(line)
 
     t_dtype, t_quant = weight_format(choice.target)
     resolve(target, t_dtype if t_quant is None else torch.bfloat16)
