@@ -183,3 +183,21 @@ def test_the_zoo_draft_gets_its_shipped_list_by_default_where_our_cpu_runtime_ru
         (None, "auto", "auto", "cpu"),
     ]:
         assert default_draft_vocab(*args) is None, args
+
+
+def test_releasing_a_files_pages_after_a_head_selection_keeps_its_bytes(tmp_path):
+    import numpy as np
+
+    from specdecode.models.kernel_linear import _release_mapped
+
+    data = np.arange(3 * 8192, dtype=np.uint8).reshape(3, 8192)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(3, 8192))
+    view = mapped[1:]
+    before = np.array(view)
+    _release_mapped(view)  # the pages go back to the OS; a read faults them in from the file
+    assert np.array_equal(view, before)
+    owned = np.array(data)
+    _release_mapped(owned)  # not a file's view: left alone
+    assert np.array_equal(owned, data)

@@ -51,6 +51,24 @@ def random_blocks(out: int, inp: int, seed: int, narrow: str = "q8_0") -> BlockW
     return BlockWeight("q8_0", raw.reshape(out, -1), inp)
 
 
+def _release_mapped(a: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages of `a` when it is a view of a read-only file
+    mapping (the GGUF's: a later read faults them back in from the file); else nothing."""
+    import ctypes
+    import mmap
+
+    base = a
+    while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
+        base = base.base
+    if not isinstance(base, np.memmap) or base.mode != "r" or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = a.__array_interface__["data"][0]
+    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+    if hi > lo:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
 class KernelLinear(Linear):
     """One projection whose weight is one block format, through the kernel; the same call as
     Linear (rows in the caller's dtype, optional residual; invariant by construction)."""
@@ -100,7 +118,12 @@ class KernelLinear(Linear):
         bias = None if self.bias is None else self.bias[ids]
         if self.block_weight is None:
             raise SpecDecodeError("this kq projection keeps only its packed tiles; load the model in float")
-        return KernelLinear(self.block_weight.rows(np.asarray(ids.cpu())), bias)
+        # the selected rows are a copy, not a view of the file: packed, then let go; the file's
+        # pages the selection read go back to the OS (rows spread over the whole matrix touch
+        # most of its pages: ~90 MB of resident file for the 0.5B's 32k-row list)
+        made = KernelLinear(self.block_weight.rows(np.asarray(ids.cpu())), bias, keep_blocks=False)
+        _release_mapped(self.block_weight.raw)
+        return made
 
 
 def kernel_linears(parts: list, bias: torch.Tensor | None) -> list[KernelLinear]:
