@@ -466,7 +466,33 @@ def summarise(results: dict, work: list[dict], args, t_dtype: str) -> dict:
         for s in sets:
             for p in plain if mine in names else ():
                 lines.append(f"- {s}: {mine} / {p} = {rate[s][mine] / rate[s][p]:.2f}x")
+    lines += _round_lines(results, names, sets)
     return {"table": table, "best": best, "markdown": "\n".join(lines) + "\n"}
+
+
+def _round_lines(results: dict, names: list[str], sets: list[str]) -> list[str]:
+    """Where a round's time goes, per speculative system of ours and prompt set: tokens a round
+    (tau), and the drafter's and the target's milliseconds a round (their sums over the set)."""
+    rows = []
+    for name in names:
+        rs = results[name]
+        if not name.startswith("ours") or not rs or "rounds" not in rs[0] or "target-only" in name:
+            continue
+        cells = []
+        for s in sets:
+            mine = [r for r in rs if r["set"] == s]
+            rounds = sum(r["rounds"] for r in mine)
+            if not rounds:
+                cells.append("-")
+                continue
+            tau = sum(r["tokens"] for r in mine) / rounds
+            draft, target = (1e3 * sum(r[k] for r in mine) / rounds for k in ("draft_s", "target_s"))
+            cells.append(f"{tau:.2f}; {draft:.1f}; {target:.1f}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    head = ["", "A round, per set (tokens a round; the drafter's ms; the target's ms):", ""]
+    return head + ["| system | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets), *rows]
 
 
 if __name__ == "__main__":
