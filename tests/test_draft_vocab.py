@@ -201,3 +201,28 @@ def test_releasing_a_files_pages_after_a_head_selection_keeps_its_bytes(tmp_path
     owned = np.array(data)
     _release_mapped(owned)  # not a file's view: left alone
     assert np.array_equal(owned, data)
+
+
+def test_a_draft_model_times_only_the_tokens_it_fell_behind_on(pair_dir):
+    """A server's learned round costs leave out a draft model's catch-up (serve/loop.py): a
+    round that feeds it one or two tokens counts none, one that feeds it many counts its seconds,
+    once (take_catch_up_seconds resets)."""
+    import torch
+
+    from specdecode.core.draft_context import DraftContext
+    from specdecode.core.sampling import Warp
+    from specdecode.drafters import DraftModelDrafter
+    from specdecode.models import load
+
+    target, draft = (load(p) for p in pair_dir)
+    drafter = DraftModelDrafter(draft, target)
+    tokens = torch.randint(0, 64, (1, 64))
+    state = drafter.start(DraftContext(tokens, torch.tensor([5]), Warp.greedy(1), None))
+    drafter.prefill(state, DraftContext(tokens, torch.tensor([5]), Warp.greedy(1), None), torch.tensor([4]))
+    limits = torch.tensor([2])
+    drafter.propose(state, DraftContext(tokens, torch.tensor([5]), Warp.greedy(1), None), limits)
+    assert drafter.take_catch_up_seconds() == 0.0  # one pending token: an ordinary round
+    drafter.commit(state, torch.tensor([5]))
+    drafter.propose(state, DraftContext(tokens, torch.tensor([40]), Warp.greedy(1), None), limits)
+    assert drafter.take_catch_up_seconds() > 0.0  # 35 tokens behind: a catch-up
+    assert drafter.take_catch_up_seconds() == 0.0  # taken once

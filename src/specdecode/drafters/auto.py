@@ -62,6 +62,9 @@ class AutoDrafter(Drafter):
     def forget(self) -> None:
         self.suffix.forget()
 
+    def take_catch_up_seconds(self) -> float:
+        return self.inner.take_catch_up_seconds() if self.inner is not None else 0.0
+
     def target_needs(self) -> TargetNeeds:
         return self.inner.target_needs() if self.inner is not None else NOTHING
 

@@ -173,6 +173,12 @@ class Drafter:
         """Forget what earlier requests taught this drafter (the suffix drafter's cache of their
         prompts and answers); drafters that learn nothing across requests have nothing to do."""
 
+    def take_catch_up_seconds(self) -> float:
+        """Seconds its proposals spent since the last call feeding tokens it had fallen behind on
+        (a draft model after rounds in which nobody drafted), and reset: a one-off cost that a
+        server's learned round costs leave out (serve/loop.py); none by default."""
+        return 0.0
+
 
 class DraftChain:
     """One round's chain of draft tokens: each drawn from the drafter's logits (warped and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from ..models.cache import BLOCK, KVCache
 from .base import DraftChain, DraftContext, Drafter, TreeDraw, weights_dtype_of
 
 CATCH_UP = 4  # a row this many tokens behind catches up through the prefill copy (_catch_up)
+CAUGHT_UP = 2  # tokens a round leaves a draft model behind: its last draft and the target's token
 
 
 def _seeded_standard(ctx: DraftContext) -> list[bool]:
@@ -64,6 +66,7 @@ class DraftModelDrafter(Drafter):
                 f"the draft is on {draft.device} and the target on {target.device}; load both on one device"
             )
         self.model = draft
+        self._catch_up_s = 0.0  # seconds spent feeding tokens it had fallen behind on (take_catch_up_seconds)
         # a copy of the draft in a format that runs prompts faster (opener.py, autotune.py), or
         # None: it writes the same cache (a draft's weights change its drafts, never the output)
         self.prefill_model = getattr(draft, "prefill_model", None)
@@ -162,6 +165,10 @@ class DraftModelDrafter(Drafter):
         else:
             extend(model, cache, ctx.tokens, lengths, need_logits=False)
 
+    def take_catch_up_seconds(self) -> float:
+        seconds, self._catch_up_s = self._catch_up_s, 0.0
+        return seconds
+
     def _catch_up(self, state: DraftModelState, ctx: DraftContext) -> None:
         """Rows CATCH_UP or more tokens behind (rounds in which the load-aware policy let nobody
         draft) catch up through the prefill copy, a row at a time, instead of in the step's
@@ -213,6 +220,7 @@ class DraftModelDrafter(Drafter):
     def _propose(
         self, state: DraftModelState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None
     ) -> Proposal:
+        t0 = time.perf_counter()
         self._catch_up(state, ctx)
         if bool(state.cold.any()):
             self.cold_lags(state, ctx)  # settles rows with nothing to catch up
@@ -220,7 +228,10 @@ class DraftModelDrafter(Drafter):
         held = cache.lengths.clone()  # a cold row keeps what it has (it drafts nothing)
         any_cold = bool(cold.any())
         lengths = torch.where(cold.to(held.device), held, ctx.lengths) if any_cold else ctx.lengths
+        behind = int((lengths.to(held.device) - held).max()) if held.numel() else 0
         logits, _ = extend(self.model, cache, ctx.tokens, lengths)  # [B, V]
+        if behind > CAUGHT_UP:  # fed more than a round leaves it behind: a catch-up, timed
+            self._catch_up_s += time.perf_counter() - t0
         chain = DraftChain(ctx, limits, stop_below)
         for i in range(chain.width):
             tok, stopped = chain.draw(logits)

@@ -514,6 +514,12 @@ class EngineLoop:
         to a round (ride_token_s), not what a round costs."""
         run = self.run
         self.rounds += 1
+        drafter = self.gen.drafter
+        # a draft model catching up after rounds without drafting is a one-off cost: the learned
+        # round costs leave it out, or the first round that drafts after a long pause (a probe)
+        # would look as dear as the catch-up and keep drafting off (its wait doubling each time)
+        take = getattr(drafter, "take_catch_up_seconds", None)
+        caught_up = take() if take is not None else 0.0
         if carried:
             self.metrics.carried_tokens.inc(carried)
             if self.round_s is not None:
@@ -522,7 +528,7 @@ class EngineLoop:
         self.round_s = _mean(self.round_s, seconds)
         record = getattr(run.policy, "record", None)
         if record is not None:  # the load-aware policy learns what rounds really cost
-            record(seconds, overhead)
+            record(max(seconds - caught_up, 1e-6), overhead)
             costs = getattr(run.policy, "costs", None)
             if hasattr(costs, "correction"):
                 self.metrics.round_cost.set(costs.correction(len(event.rows), True))
