@@ -52,8 +52,9 @@ class DraftModelDrafter(Drafter):
     ) -> None:
         """draft_vocab: the draft's head over only its N most frequent tokens (an int N, or a JSON
         file of token ids in frequency order; models/draft_vocab.py), FR-Spec; None: all.
-        fallback: with a draft_vocab, a row drafts with the whole head while its last `fallback`
-        tokens hold tokens outside the list (models/draft_vocab.py; 0: never; None: the default).
+        fallback: with a draft_vocab, a row drafts with the whole head while a quarter or more of
+        its last `fallback` tokens are outside the list (models/draft_vocab.py; 0: never; None:
+        the default, 64).
         chains: it drafts chains only (no token tree), so its cache may be batch-invariant."""
         self.chains = chains
         if draft.vocab_size != target.vocab_size:
@@ -221,6 +222,8 @@ class DraftModelDrafter(Drafter):
         self, state: DraftModelState, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None
     ) -> Proposal:
         t0 = time.perf_counter()
+        lag = (ctx.lengths.cpu() - state.cache.lengths.cpu()).masked_fill(state.cold, 0)
+        behind = int(lag.max()) if lag.numel() else 0  # warm rows' tokens to feed, _catch_up's included
         self._catch_up(state, ctx)
         if bool(state.cold.any()):
             self.cold_lags(state, ctx)  # settles rows with nothing to catch up
@@ -228,7 +231,6 @@ class DraftModelDrafter(Drafter):
         held = cache.lengths.clone()  # a cold row keeps what it has (it drafts nothing)
         any_cold = bool(cold.any())
         lengths = torch.where(cold.to(held.device), held, ctx.lengths) if any_cold else ctx.lengths
-        behind = int((lengths.to(held.device) - held).max()) if held.numel() else 0
         logits, _ = extend(self.model, cache, ctx.tokens, lengths)  # [B, V]
         if behind > CAUGHT_UP:  # fed more than a round leaves it behind: a catch-up, timed
             self._catch_up_s += time.perf_counter() - t0
