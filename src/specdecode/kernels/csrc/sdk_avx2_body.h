@@ -394,13 +394,12 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
         const uint8_t *tile = rec;
         for (int b = 0; b < nblk; b++, rec += SDK_Q5_INTS) {
             const uint8_t *scales = tile + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
+            for (int i = 0; i < 6; i++) PF(tile + pf5 + (long)b * SDK_Q5_REC + i * 64); /* see sdk_avx512vnni.c */
             __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit */
             for (int h = 0; h < 2; h++) {
                 __m256i pl = LD(rec + 256 + h * 32);
-                if (!h) PF(rec + pf5 + 256);
                 for (int i = 0; i < 4; i++) {
                     __m256i u = LD(rec + i * 64 + h * 32);
-                    if (!h) PF(rec + pf5 + i * 64);
                     __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(pl, 4 - i), bit4);
                     __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(pl, i), bit4);
                     v[i * 2 + h] = _mm256_or_si256(_mm256_and_si256(u, low4), b0);
@@ -408,7 +407,6 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                 }
             }
             __m256 d[2];
-            if (!(b & 1)) PF(scales + 8 * SDK_Q5_SCALES);
             for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 32;
@@ -442,12 +440,12 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
         const uint8_t *tile = rec;
         for (int b = 0; b < nblk; b++, rec += SDK_Q8_INTS) {
             const uint8_t *scales = tile + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
+            for (int i = 0; i < 9; i++) PF(tile + pf8 + (long)b * SDK_Q8_REC + i * 64);
             __m256i v[16]; /* VNNI: q + 128 as stored; else |q| here and q at v + 8 .. */
             __m256i sg[16];
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++) {
                     __m256i u = LD(rec + g * 64 + h * 32);
-                    if (!h) PF(rec + pf8 + g * 64);
 #ifdef SDK_VNNI256
                     v[g * 2 + h] = u;
                     sg[g * 2 + h] = u;
@@ -458,7 +456,6 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
 #endif
                 }
             __m256 d[2];
-            if (!(b & 1)) PF(scales + 8 * SDK_Q8_SCALES);
             for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = a->xq + (size_t)(m0 + r) * kp + b * 32;

@@ -21,9 +21,12 @@
 #define SDK_PF_Q6K pf
 /* Q8_0's and Q5_0's records are small (512 and 320 bytes of integers): four ahead, or, where the
  * timing chose a longer lead, 8 x sdk_pf_blocks at every row count (about Q4_K's bytes ahead; on
- * the Zen 5 EPYC 32 records made the 0.5B's one-row step 7% and its 5-row step 17% faster) */
-#define SDK_PF_Q8 pf
-#define SDK_PF_Q5 pf
+ * the Zen 5 EPYC 32 records made the 0.5B's one-row step 7% and its 5-row step 17% faster). Their
+ * tile is read as two streams (the integers, then the scales at its end), so the prefetch walks
+ * the tile's bytes as one stream instead: block b asks for its share, bytes [b, b + 1) x REC, the
+ * distance ahead. Prefetching each block's own integers and scales had left ~9% of every tile's
+ * lines (its first ones, and its scales) to the hardware, and a one-row product read 77% of Q4_K's
+ * GB/s; walking the tile made one row ~18% and two to five rows 10-27% faster (NOTES, issue 53) */
 #define SDK_PF_SMALL(rec) (sdk_pf_blocks == 1 ? 4L * (rec) : 8L * sdk_pf_blocks * (rec))
 #define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
@@ -169,17 +172,16 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
                                                            const sdk_act *a, int m, int b, float *acc) {
     const uint8_t *rec = tile + (size_t)b * SDK_Q8_INTS;
     const long pf = SDK_PF_SMALL(SDK_Q8_REC);
+    UNROLL(9) for (int i = 0; i < 9; i++) PF(tile + pf + (long)b * SDK_Q8_REC + i * 64);
     const int kp = a->kp, n16 = kp / 16;
     __m512i s[ROWS][2];
     UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     UNROLL(8) for (int g = 0; g < 8; g++) {
         __m512i v = _mm512_loadu_si512(rec + g * 64);
-        PF(rec + SDK_PF_Q8 + g * 64);
         UNROLL(8) for (int r = 0; r < R; r++)
             s[r][g & 1] = dpb(s[r][g & 1], v, a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
     }
     const uint8_t *scales = tile + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
-    if (!(b & 1)) PF(scales + 8 * SDK_Q8_SCALES); /* the scales' line of 8 blocks ahead */
     __m512 d = h2f16(scales);
     UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
@@ -194,14 +196,13 @@ static inline __attribute__((always_inline)) void q5_block(const int R, const ui
                                                            const sdk_act *a, int m, int b, float *acc) {
     const uint8_t *rec = tile + (size_t)b * SDK_Q5_INTS;
     const long pf = SDK_PF_SMALL(SDK_Q5_REC);
+    UNROLL(6) for (int i = 0; i < 6; i++) PF(tile + pf + (long)b * SDK_Q5_REC + i * 64);
     const int kp = a->kp, n16 = kp / 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m512i w[8], s[ROWS][2];
     const __m512i h = _mm512_loadu_si512(rec + 256);
-    PF(rec + SDK_PF_Q5 + 256);
     UNROLL(4) for (int i = 0; i < 4; i++) {
         __m512i v = _mm512_loadu_si512(rec + i * 64);
-        PF(rec + SDK_PF_Q5 + i * 64);
         /* bit i (bit i + 4) of each plane byte to bit 4: 16-bit shifts that stay inside the byte */
         __m512i hi = _mm512_slli_epi16(h, 4 - i);
         __m512i hj = i == 0 ? h : _mm512_srli_epi16(h, i);
@@ -213,7 +214,6 @@ static inline __attribute__((always_inline)) void q5_block(const int R, const ui
         UNROLL(8) for (int r = 0; r < R; r++)
             s[r][g & 1] = dpb(s[r][g & 1], w[g], a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
     const uint8_t *scales = tile + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
-    if (!(b & 1)) PF(scales + 8 * SDK_Q5_SCALES);
     __m512 d = h2f16(scales);
     UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
