@@ -52,6 +52,15 @@ static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 
 /* software prefetch about one block ahead in the read stream (see sdk_avx512vnni.c) */
 #define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+/* Q6_K's lines: to L2, or to L1 where a lead of more than one record was timed (a Zen 5 EPYC,
+ * forced AVX2: the 1.5B's Q6_K head and down 6-11% faster at one row, 5-7% at five) */
+#define PF6(p)                      \
+    do {                            \
+        if (sdk_pf_blocks > 1)      \
+            PF(p);                  \
+        else                        \
+            PF2(p);                 \
+    } while (0)
 
 /* up to this many rows a call, Q4_K and Q6_K decode each load in registers for every row pair
  * (q4k_direct, q6k_direct); above it, once a block into the scratch for all rows (measured on
@@ -193,8 +202,8 @@ static inline __attribute__((always_inline)) void q6k_direct(const uint8_t *rec,
     }
     for (int j = 0; j < 8; j++) {
         const uint8_t *chunk = rec + j * 384;
-        for (int l = 0; l < 6; l++) PF2(chunk + pf + l * 64);
-        if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
+        for (int l = 0; l < 6; l++) PF6(chunk + pf + l * 64);
+        if (j < 5) PF6(scales + pf + j * 64);
         /* the scales of sub-blocks 2j (even) and 2j + 1 (odd) per column, as (sc, sc) int16 pairs */
         __m256i sce[2], sco[2];
         for (int h = 0; h < 2; h++) {
@@ -362,8 +371,8 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     __m256i h0 = LD(chunk + 256 + h * 32);
                     __m256i h1 = LD(chunk + 320 + h * 32);
                     if (!h) {
-                        for (int l = 0; l < 6; l++) PF2(chunk + pf6 + l * 64);
-                        if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
+                        for (int l = 0; l < 6; l++) PF6(chunk + pf6 + l * 64);
+                        if (j < 5) PF6(scales + pf6 + j * 64);
                     }
                     for (int i = 0; i < 4; i++) {
                         __m256i v = LD(chunk + i * 64 + h * 32);

@@ -30,6 +30,16 @@
 #define SDK_PF_SMALL(rec) (sdk_pf_blocks == 1 ? 4L * (rec) : 8L * sdk_pf_blocks * (rec))
 #define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+/* Q6_K's lines: to L2 where one record of lead was timed the best (a Zen 4 EPYC); for one or two
+ * rows to L1 where a longer lead was (a Zen 5 EPYC: the 1.5B's Q6_K head and down 5-7% faster at
+ * one row, 2-7% at two; at five rows L1 was 0-3% slower) */
+#define PF6(p)                                  \
+    do {                                        \
+        if (R <= 2 && sdk_pf_blocks > 1)        \
+            PF(p);                              \
+        else                                    \
+            PF2(p);                             \
+    } while (0)
 #define UNROLL(n) _Pragma("GCC unroll 8")
 
 /* acc += w (16 x 4 unsigned bytes) . the 4 signed codes at p, broadcast by the instruction itself
@@ -126,12 +136,12 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
         __m512i w[8];
         const uint8_t *chunk = rec + j * 384; /* 4 vectors of low nibbles, 2 of high bit pairs */
         __m512i h0 = _mm512_loadu_si512(chunk + 256), h1 = _mm512_loadu_si512(chunk + 320);
-        PF2(chunk + SDK_PF_Q6K + 256);
-        PF2(chunk + SDK_PF_Q6K + 320);
-        if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64); /* the next block's scales */
+        PF6(chunk + SDK_PF_Q6K + 256);
+        PF6(chunk + SDK_PF_Q6K + 320);
+        if (j < 5) PF6(scales + SDK_Q6K_REC + j * 64); /* the next block's scales */
         UNROLL(4) for (int i = 0; i < 4; i++) {
             __m512i v = _mm512_loadu_si512(chunk + i * 64);
-            PF2(chunk + SDK_PF_Q6K + i * 64);
+            PF6(chunk + SDK_PF_Q6K + i * 64);
             /* value i's high bit pair (bits 2i, 2i + 1 of each byte) moved to bits 4 and 5: the
              * 16-bit shifts bring bits from within the same byte into them */
             __m512i b0 = i < 2 ? _mm512_slli_epi16(h0, 4 - 2 * i) : (i == 2 ? h0 : _mm512_srli_epi16(h0, 2));
