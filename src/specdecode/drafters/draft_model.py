@@ -102,8 +102,11 @@ class DraftModelDrafter(Drafter):
     def start(self, ctx: DraftContext, target_cache=None) -> DraftModelState:
         """The draft's own cache; batch-invariant when the target's is and the draft drafts chains
         (so a draft, and with it a seeded sample under the standard rule, does not depend on the
-        batch either; a tree's level-by-level draft forwards need the plain cache)."""
-        invariant = getattr(target_cache, "invariant", False) and self.chains
+        batch either). A tree's level-by-level draft forwards, written past the cache length, run
+        invariant only on the kernel's attention (kq); other formats draft trees in the plain
+        cache."""
+        chains_or_kernel = self.chains or getattr(self.model, "kernel_attention", False)
+        invariant = getattr(target_cache, "invariant", False) and chains_or_kernel
         cold = torch.zeros(ctx.size, dtype=torch.bool)
         if invariant and self.model.lean and self.model.supports_invariant:
             return DraftModelState(self.model.new_cache(ctx.size, ctx.capacity, invariant=True), cold)
@@ -275,7 +278,7 @@ class DraftModelDrafter(Drafter):
             # feed this level to get the distributions after each of its nodes
             first = idx[0] - 1  # slot offset past the cache length (nodes are stored in order)
             meta = ForwardMeta(
-                positions=(base - 1).view(B, 1) + d,
+                positions=((base - 1).view(B, 1) + d).expand(B, len(idx)),  # every node of the level
                 tree_mask=mask[idx[0] : idx[-1] + 1, 1 : idx[-1] + 1],
                 offset=first,
                 advance=False,

@@ -154,8 +154,18 @@ def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: Forward
             mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
     attention = None
     if inv and allowed is not None:
-        tree = {} if tree_mask is None else _tree_order(tree_mask, cache.lengths, positions, S)
         kind = KernelAttention if getattr(model, "kernel_attention", False) else InvariantAttention
+        # the kernel's attention reads each token's seen slots in slot order, which for a tree is
+        # its logical order (a node's ancestors sit at lower slots: nodes are written level by
+        # level), so it needs no order of its own, also for a tree level written past the length
+        # (a draft model's tree, offset > 0); InvariantAttention's chunks need the logical order
+        tree = {}
+        if tree_mask is not None and kind is not KernelAttention:
+            if offset:
+                raise SpecDecodeError(
+                    "a token tree written past the cache length needs the kernel's attention (kq)"
+                )
+            tree = _tree_order(tree_mask, cache.lengths, positions, S)
         attention = kind(allowed, B, c.num_kv_heads, G, D, model.dtype, **tree)
         if kind is KernelAttention:  # where each token's key and value go (the fused layers)
             write = torch.arange(s, s + T, device=dev).expand(B, T) if slots is None else slots

@@ -293,8 +293,10 @@ class KernelAttention:
             S = allowed.shape[2]
             ar = torch.arange(S, device=allowed.device)
             seen = allowed.expand(B, T, S)
-            self.idx = torch.sort(torch.where(seen, ar, ar + S), dim=-1, stable=True).indices.to(torch.int32)
-            self.n = seen.sum(-1).to(torch.int32)
+            # contiguous: the C call reads them as plain arrays (a tree's `allowed` comes permuted)
+            order = torch.sort(torch.where(seen, ar, ar + S), dim=-1, stable=True).indices
+            self.idx = order.to(torch.int32).contiguous()
+            self.n = seen.sum(-1).to(torch.int32).contiguous()
         else:  # a tree: each node's slot of every logical position, the seen ones a prefix
             self.idx = order.to(torch.int32).contiguous()
             self.n = logical_allowed.sum(-1).to(torch.int32)
