@@ -39,7 +39,13 @@ def weights(rng: np.random.Generator, n: int, k: int) -> list[BlockWeight]:
     w[0] = 1.0
     if n > 1:
         w[1, ::2], w[1, 1::2] = 4.0, -4.0
-    return [quantize_q4_k(w), quantize_q8_0(w), random_q6_k(n, k, rng), kernels._q5_0_of(w, rng)]
+    return [
+        quantize_q4_k(w),
+        quantize_q8_0(w),
+        random_q6_k(n, k, rng),
+        kernels._q5_0_of(w, rng),
+        kernels._q4_0_of(w, rng),
+    ]
 
 
 def rows(rng: np.random.Generator, m: int, k: int) -> torch.Tensor:
@@ -224,6 +230,14 @@ def test_blocks_decode_as_the_gguf_library_decodes_them():
     for raw in (q5, kernels._q5_0_of(w, rng).raw):
         want = gguf.quants.dequantize(raw, T.Q5_0).reshape(24, 512)
         assert np.array_equal(BlockWeight("q5_0", raw, 512).dequantize(), want)
+    # Q4_0: a file's rows (the gguf library's quantizer) and ours, byte for byte the same rounding
+    from specdecode.kernels.blocks import quantize_q4_0
+
+    q4 = gguf.quants.quantize(w, T.Q4_0)
+    assert np.array_equal(quantize_q4_0(w).raw, q4)
+    for raw in (q4, kernels._q4_0_of(w, rng).raw):
+        want = gguf.quants.dequantize(raw, T.Q4_0).reshape(24, 512)
+        assert np.array_equal(BlockWeight("q4_0", raw, 512).dequantize(), want)
 
 
 def test_a_q6_k_block_reads_as_one_stream_its_record_holds_its_scales():

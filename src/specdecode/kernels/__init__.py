@@ -30,7 +30,7 @@ from .build import BuildError, built_library
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 6
+ABI = 7
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
@@ -562,7 +562,8 @@ def _check_cases(gen: np.random.Generator):
         x = (gen.standard_normal((70, k)) * np.logspace(-3, 2, 70)[:, None]).astype(np.float32)
         x[0], x[1] = 1.0, -1.0
         x[2, ::2], x[2, 1::2] = 1.0, -1.0
-        for weight in (quantize_q4_k(w), quantize_q8_0(w), _q6_k_of(w, gen), _q5_0_of(w, gen)):
+        weights = (quantize_q4_k(w), quantize_q8_0(w), _q6_k_of(w, gen), _q5_0_of(w, gen), _q4_0_of(w, gen))
+        for weight in weights:
             yield weight, torch.from_numpy(x)
 
 
@@ -588,6 +589,18 @@ def _q5_0_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
         raw[1, :, 2:] = 0
     raw[..., 0:2] = (np.float16(0.01) * (1 + gen.random((n, nb, 1)))).astype(np.float16).view(np.uint8)
     return BlockWeight("q5_0", raw.reshape(n, -1), k)
+
+
+def _q4_0_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
+    """A Q4_0 matrix of w's shape with random bytes (row 0: every value 15, row 1: every value 0)."""
+    n, k = w.shape
+    nb = -(-k // 32)
+    raw = gen.integers(0, 256, (n, nb, 18), dtype=np.uint8)
+    raw[0, :, 2:] = 0xFF
+    if n > 1:
+        raw[1, :, 2:] = 0
+    raw[..., 0:2] = (np.float16(0.01) * (1 + gen.random((n, nb, 1)))).astype(np.float16).view(np.uint8)
+    return BlockWeight("q4_0", raw.reshape(n, -1), k)
 
 
 @functools.cache

@@ -1,19 +1,20 @@
-"""GGUF block formats as the kernel reads them: decoding a file's Q4_K, Q6_K, Q8_0 and Q5_0 rows,
-quantizing float rows to Q4_K or Q8_0, and repacking rows into the kernel's tiles.
+"""GGUF block formats as the kernel reads them: decoding a file's Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0
+rows, quantizing float rows to Q4_K, Q8_0 or Q4_0, and repacking rows into the kernel's tiles.
 
 A `BlockWeight` is a matrix as a GGUF stores it: `raw` [rows, bytes per row] in llama.cpp's own
 block layout, so a file's tensor is used byte for byte (rows may be reordered, stacked or
 selected without touching a block). `tiles()` lays the blocks out for the kernel:
 groups of 16 output rows, per block their integers first (4 inputs x 16 rows per 64 bytes, the
-order a vpdpbusd reads), then the scales (Q4_K and Q6_K within each block's record, Q8_0 and Q5_0
-after all of a tile's integers); sdk.h gives the record sizes.
+order a vpdpbusd reads), then the scales (Q4_K and Q6_K within each block's record, Q8_0, Q5_0
+and Q4_0 after all of a tile's integers); sdk.h gives the record sizes.
 
 Layouts (ggml's, ggml-common.h): Q4_K, 144 bytes per 256: fp16 d, fp16 dmin, 12 bytes of 6-bit
 scales and mins, 128 bytes of nibbles (chunk c of 64: low nibbles inputs c*64..+31, high ones
 c*64+32..+63); w = d * sc * q - dmin * m. Q6_K, 210 bytes per 256: 128 bytes of low nibbles, 64 of
 high 2-bit pairs, 16 int8 scales (one per 16), fp16 d; w = d * sc * (q - 32). Q8_0, 34 bytes per
 32: fp16 d, 32 int8; w = d * q. Q5_0, 22 bytes per 32: fp16 d, 32 fifth bits, 16 bytes of nibbles
-(inputs 0..15 low, 16..31 high); w = d * (u - 16).
+(inputs 0..15 low, 16..31 high); w = d * (u - 16). Q4_0, 18 bytes per 32: fp16 d, 16 bytes of
+nibbles (as Q5_0's); w = d * (u - 8).
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ import numpy as np
 from ..errors import SpecDecodeError
 
 TILE = 16
-BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22)}  # inputs, bytes
+BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22), "q4_0": (32, 18)}  # inputs, bytes
 RECORD = {
     "q4_k": 2048 + 128 + 128 + 32 + 32,
     "q6_k": 2048 + 1024 + 256 + 32 + 32,
     "q8_0": 512 + 32,
     "q5_0": 320 + 32,
+    "q4_0": 256 + 32,
 }
-CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3, "q5_0": 4}  # sdk.h's SDK_Q4K, SDK_Q6K, SDK_Q8_0, SDK_Q5_0
+CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3, "q5_0": 4, "q4_0": 5}  # sdk.h's SDK_Q4K .. SDK_Q4_0
 
 
 @dataclass
@@ -77,6 +79,9 @@ class BlockWeight:
         elif self.kind == "q5_0":
             d, u = _q5_0_fields(self.raw)
             w = (u.astype(np.float32) - 16) * d[..., None]
+        elif self.kind == "q4_0":
+            d, u = _q4_0_fields(self.raw)
+            w = (u.astype(np.float32) - 8) * d[..., None]
         elif self.kind == "q4_k":
             d, dmin, sc, mn, q = _q4_k_fields(self.raw)
             scale = (d[..., None] * sc).repeat(32, -1)  # [n, nb, 256]
@@ -92,9 +97,8 @@ class BlockWeight:
         tile's integers for every block first, then its scales; sdk.h)."""
         pad = -self.raw.shape[0] % TILE
         raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
-        return {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0, "q5_0": _tiles_q5_0}[
-            self.kind
-        ](raw)
+        tiles = {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0, "q5_0": _tiles_q5_0}
+        return {**tiles, "q4_0": _tiles_q4_0}[self.kind](raw)
 
 
 def _f16(raw: np.ndarray, offset: int) -> np.ndarray:
@@ -151,6 +155,28 @@ def _q5_0_fields(raw):
     qs = b[..., 6:22]
     bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, nb, 32]
     return _f16(b, 0).astype(np.float32), np.concatenate([qs & 15, qs >> 4], -1) | (bits << 4)
+
+
+def _q4_0_fields(raw):
+    """Q4_0 rows (18 bytes per 32: fp16 d, 16 bytes of nibbles, inputs 0..15 low, 16..31 high;
+    w = d * (u - 8)) -> d [n, nb] and the values u [n, nb, 32] (0..15)."""
+    b = _blocks(raw, "q4_0")
+    qs = b[..., 2:18]
+    return _f16(b, 0).astype(np.float32), np.concatenate([qs & 15, qs >> 4], -1)
+
+
+def quantize_q4_0(w: np.ndarray) -> BlockWeight:
+    """Float [rows, k] -> Q4_0 as ggml's reference quantizes it: per 32 inputs d = m / -8 with m
+    the value of largest magnitude, u = min(15, trunc(w / d + 8.5)) (so m is exact)."""
+    n, k = w.shape
+    w = np.pad(w.astype(np.float32), ((0, 0), (0, -k % 32))).reshape(n, -1, 32)
+    m = np.take_along_axis(w, np.abs(w).argmax(-1)[..., None], -1)[..., 0]
+    d = m / -8
+    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0).astype(np.float32)
+    u = np.minimum(15, np.trunc(w * inv[..., None] + 8.5)).astype(np.uint8)
+    qs = u[..., :16] | (u[..., 16:] << 4)
+    out = np.concatenate([d.astype(np.float16)[..., None].view(np.uint8), qs], -1)
+    return BlockWeight("q4_0", out.reshape(n, -1), k)
 
 
 def quantize_q8_0(w: np.ndarray) -> BlockWeight:
@@ -258,6 +284,15 @@ def _tiles_q5_0(raw):
     plane = plane.transpose(0, 2, 1, 3).reshape(t, nb, 64)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
     return _ints_then_scales(np.concatenate([nib, plane], -1), f16)
+
+
+def _tiles_q4_0(raw):
+    d, u = _q4_0_fields(raw)
+    t, nb = raw.shape[0] // TILE, u.shape[1]
+    u = u.reshape(t, TILE, nb, 2, 4, 4)  # tile, row, block, half, i, kk: input 16 half + 4 i + kk
+    nib = (u[..., 0, :, :] | (u[..., 1, :, :] << 4)).transpose(0, 2, 3, 1, 4).reshape(t, nb, 256)
+    f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
+    return _ints_then_scales(nib, f16)
 
 
 def check_kind(kind: str) -> str:

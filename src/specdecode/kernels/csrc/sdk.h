@@ -19,10 +19,10 @@
 #define SDK_QK 256   /* activation block (one scale) and k-quant super-block */
 #define SDK_ROWS 64  /* rows per chunk (a prefill is tiled over rows by this) */
 
-enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4 };
+enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4, SDK_Q4_0 = 5 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
 
-/* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0: a block of 32). Q4_K's
+/* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0, Q4_0: a block of 32). Q4_K's
  * record (37 cache lines) holds everything, and so does Q6_K's (53 lines: its integers, then its
  * scales, padded to a whole line: one read stream a thread; the 16 scales of a column as pairs,
  * byte p * 32 + c * 2 + i = column c's scale of sub-block 2p + i, the int16 pairs vpdpwssd reads
@@ -42,6 +42,11 @@ enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNN
 #define SDK_Q5_INTS 320
 #define SDK_Q5_SCALES 32 /* d (fp16) */
 #define SDK_Q5_REC (SDK_Q5_INTS + SDK_Q5_SCALES)
+/* Q4_0 (32 inputs): Q5_0's 4 vectors of nibble pairs without the plane; values 0..15 stand for
+ * q + 8. The tile's integers first, then its scales, as Q5_0's */
+#define SDK_Q4_INTS 256
+#define SDK_Q4_SCALES 32 /* d (fp16) */
+#define SDK_Q4_REC (SDK_Q4_INTS + SDK_Q4_SCALES)
 
 /* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
  * integer sums of 16 codes, xp [rows][kp / 64] the sums of 32 codes two by two as int16 pairs

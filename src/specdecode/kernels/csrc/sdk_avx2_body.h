@@ -398,15 +398,19 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             for (; r + 2 <= rows; r += 2) q6k_rows(w, sc, pr, d, a, b, m0, r, 2, acc);
             if (r < rows) q6k_rows(w, sc, pr, d, a, b, m0, r, 1, acc);
         }
-    } else if (type == SDK_Q5_0) {
+    } else if (type == SDK_Q5_0 || type == SDK_Q4_0) {
+        /* Q4_0: Q5_0's nibbles without the plane, values 0..15 for q + 8 */
+        const int five = type == SDK_Q5_0, off = five ? 16 : 8;
+        const long ints = five ? SDK_Q5_INTS : SDK_Q4_INTS, recb = five ? SDK_Q5_REC : SDK_Q4_REC;
+        const long pf50 = five ? pf5 : (sdk_pf_blocks == 1 ? 4L * SDK_Q4_REC : 8L * sdk_pf_blocks * SDK_Q4_REC);
         const __m256i bit4 = _mm256_set1_epi8(0x10);
         const uint8_t *tile = rec;
-        for (int b = 0; b < nblk; b++, rec += SDK_Q5_INTS) {
-            const uint8_t *scales = tile + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
-            for (int i = 0; i < 6; i++) PF(tile + pf5 + (long)b * SDK_Q5_REC + i * 64); /* see sdk_avx512vnni.c */
-            __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit */
+        for (int b = 0; b < nblk; b++, rec += ints) {
+            const uint8_t *scales = tile + (size_t)nblk * ints + (size_t)b * SDK_Q5_SCALES;
+            for (int i = 0; i < (five ? 6 : 5); i++) PF(tile + pf50 + (long)b * recb + i * 64); /* sdk_avx512vnni.c */
+            __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit (Q4_0: 0..15) */
             for (int h = 0; h < 2; h++) {
-                __m256i pl = LD(rec + 256 + h * 32);
+                __m256i pl = five ? LD(rec + 256 + h * 32) : _mm256_setzero_si256();
                 for (int i = 0; i < 4; i++) {
                     __m256i u = LD(rec + i * 64 + h * 32);
                     __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(pl, 4 - i), bit4);
@@ -436,7 +440,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
                     __m256i s = _mm256_madd_epi16(t0, ones);
                     s = _mm256_add_epi32(s, _mm256_madd_epi16(t1, ones));
 #endif
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * (xs[0] + xs[1])));
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * (xs[0] + xs[1])));
                     if (sdk_fault && b == 0 && r == 0 && h == 0) s = _mm256_add_epi32(s, fault_lane());
                     __m256 y = _mm256_loadu_ps(acc + r * 16 + h * 8);
                     y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[h], av), y);

@@ -201,36 +201,54 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     }
 }
 
-/* Q5_0: the nibbles as Q4_K's, the fifth bit moved from bit g of the plane's byte to bit 4 */
-static inline __attribute__((always_inline)) void q5_block(const int R, const uint8_t *tile, int nblk,
-                                                           const sdk_act *a, int m, int b, float *acc) {
-    const uint8_t *rec = tile + (size_t)b * SDK_Q5_INTS;
-    const long pf = SDK_PF_SMALL(SDK_Q5_REC);
-    UNROLL(6) for (int i = 0; i < 6; i++) PF(tile + pf + (long)b * SDK_Q5_REC + i * 64);
+/* Q5_0: the nibbles as Q4_K's, the fifth bit moved from bit g of the plane's byte to bit 4;
+ * Q4_0 (five = 0): the same nibbles alone, values 0..15 for q + 8 */
+static inline __attribute__((always_inline)) void q50_block(const int five, const int R, const uint8_t *tile,
+                                                            int nblk, const sdk_act *a, int m, int b, float *acc) {
+    const long ints = five ? SDK_Q5_INTS : SDK_Q4_INTS, recb = five ? SDK_Q5_REC : SDK_Q4_REC;
+    const uint8_t *rec = tile + (size_t)b * ints;
+    const long pf = SDK_PF_SMALL(recb);
+    UNROLL(6) for (int i = 0; i < (five ? 6 : 5); i++) PF(tile + pf + (long)b * recb + i * 64);
     const int kp = a->kp, n16 = kp / 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m512i w[8], s[ROWS][2];
-    const __m512i h = _mm512_loadu_si512(rec + 256);
+    const __m512i h = five ? _mm512_loadu_si512(rec + 256) : _mm512_setzero_si512();
     UNROLL(4) for (int i = 0; i < 4; i++) {
         __m512i v = _mm512_loadu_si512(rec + i * 64);
-        /* bit i (bit i + 4) of each plane byte to bit 4: 16-bit shifts that stay inside the byte */
-        __m512i hi = _mm512_slli_epi16(h, 4 - i);
-        __m512i hj = i == 0 ? h : _mm512_srli_epi16(h, i);
-        w[i] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(hi, bit4), low4, 0xEC);
-        w[i + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(hj, bit4), low4, 0xEC);
+        if (five) {
+            /* bit i (bit i + 4) of each plane byte to bit 4: 16-bit shifts that stay inside the byte */
+            __m512i hi = _mm512_slli_epi16(h, 4 - i);
+            __m512i hj = i == 0 ? h : _mm512_srli_epi16(h, i);
+            w[i] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(hi, bit4), low4, 0xEC);
+            w[i + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(hj, bit4), low4, 0xEC);
+        } else {
+            w[i] = _mm512_and_si512(v, low4);
+            w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
     }
     UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     UNROLL(8) for (int g = 0; g < 8; g++)
         UNROLL(8) for (int r = 0; r < R; r++)
             s[r][g & 1] = dpb(s[r][g & 1], w[g], a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
-    const uint8_t *scales = tile + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
+    const uint8_t *scales = tile + (size_t)nblk * ints + (size_t)b * SDK_Q5_SCALES;
     __m512 d = h2f16(scales);
+    const int off = five ? 16 : 8;
     UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
-        __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(16 * (xs[0] + xs[1])));
+        __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(off * (xs[0] + xs[1])));
         if (sdk_fault && b == 0 && m + r == 0) u = _mm512_add_epi32(u, fault_lane());
         store_row(acc + r * 16, u, d, 0, d, a->xa[(size_t)(m + r) * (kp / SDK_QK) + b / 8]);
     }
+}
+
+static inline __attribute__((always_inline)) void q5_block(const int R, const uint8_t *tile, int nblk,
+                                                           const sdk_act *a, int m, int b, float *acc) {
+    q50_block(1, R, tile, nblk, a, m, b, acc);
+}
+
+static inline __attribute__((always_inline)) void q4_block(const int R, const uint8_t *tile, int nblk,
+                                                           const sdk_act *a, int m, int b, float *acc) {
+    q50_block(0, R, tile, nblk, a, m, b, acc);
 }
 
 /* rows in groups: of 4 while more than 6 are left, then the rest as one group (a verification
@@ -260,6 +278,8 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
         GROUPS(q6k_block)
     } else if (type == SDK_Q5_0) {
         GROUPS(q5_block)
+    } else if (type == SDK_Q4_0) {
+        GROUPS(q4_block)
     } else {
         GROUPS(q8_block)
     }

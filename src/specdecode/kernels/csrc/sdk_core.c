@@ -19,7 +19,7 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 
-int sdk_abi_version(void) { return 6; }
+int sdk_abi_version(void) { return 7; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
@@ -91,7 +91,11 @@ typedef void (*pre_fn)(int, const float *, int, const float *, float, float *);
 pre_fn sdk_pre_row_for(int isa);
 
 static size_t record_bytes(int type) {
-    return type == SDK_Q4K ? SDK_Q4K_REC : type == SDK_Q6K ? SDK_Q6K_REC : type == SDK_Q8_0 ? SDK_Q8_REC : SDK_Q5_REC;
+    return type == SDK_Q4K    ? SDK_Q4K_REC
+           : type == SDK_Q6K  ? SDK_Q6K_REC
+           : type == SDK_Q8_0 ? SDK_Q8_REC
+           : type == SDK_Q5_0 ? SDK_Q5_REC
+                              : SDK_Q4_REC;
 }
 
 /* Quantize rows x [m, k] (ldx floats apart) to int8 for the products that follow on this thread.
@@ -170,13 +174,13 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
 }
 
 /* y [m, n] (ldy floats apart) = the rows sdk_quantize left on this thread times W^T, W packed as
- * `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs; Q8_0, Q5_0: 32), then + bias [n] and
+ * `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs; Q8_0, Q5_0, Q4_0: 32), then + bias [n] and
  * + res [m, n] (ldr floats apart) when given, in that order (one IEEE add each). Returns 0, or
  * -1 (bad arguments, or no rows of this m and k quantized), -2 (path not runnable). */
 int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float *y, long ldy, const float *bias,
                 const float *res, long ldr, int isa, int nthreads) {
-    if (type < SDK_Q4K || type > SDK_Q5_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0 || ldy < n) return -1;
-    int blk = type == SDK_Q8_0 || type == SDK_Q5_0 ? 32 : SDK_QK;
+    if (type < SDK_Q4K || type > SDK_Q4_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0 || ldy < n) return -1;
+    int blk = type == SDK_Q4K || type == SDK_Q6K ? SDK_QK : 32;
     if ((long)nblk * blk < k || (long)(nblk - 1) * blk >= k) return -1;
     if (res && ldr < n) return -1;
     if (!sdk_isa_runs(isa)) return -2;
@@ -221,7 +225,7 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
 int sdk_linear_ex(int type, const uint8_t *w, int n, int nblk, int k, const float *x, long ldx, int m, float *y,
                   long ldy, int pre, const float *pre_w, float eps, const float *bias, const float *res, long ldr,
                   int isa, int nthreads) {
-    if (type < SDK_Q4K || type > SDK_Q5_0) return -1;
+    if (type < SDK_Q4K || type > SDK_Q4_0) return -1;
     int rc = sdk_quantize(x, ldx, m, k, pre, pre_w, eps, isa, nthreads);
     return rc ? rc : sdk_product(type, w, n, nblk, k, m, y, ldy, bias, res, ldr, isa, nthreads);
 }

@@ -76,6 +76,16 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                     for (int k = 0; k < 32; k++) s += (q5(p, c, k) - 16) * x[b * 32 + k];
                     float d = sdk_h2f(rd16(ps + 2 * c));
                     y = fmaf((float)s, d * xa[b / 8], y);
+                } else if (type == SDK_Q4_0) { /* nblk blocks of 32: Q5_0's nibbles, no fifth bit */
+                    const uint8_t *p = rec + (size_t)b * SDK_Q4_INTS;
+                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q4_INTS + (size_t)b * SDK_Q4_SCALES;
+                    int32_t s = 0;
+                    for (int k = 0; k < 32; k++) {
+                        uint8_t lo = p[((k / 4) % 4) * 64 + c * 4 + k % 4];
+                        s += ((k < 16 ? lo & 15 : lo >> 4) - 8) * x[b * 32 + k];
+                    }
+                    float d = sdk_h2f(rd16(ps + 2 * c));
+                    y = fmaf((float)s, d * xa[b / 8], y);
                 } else { /* SDK_Q8_0: nblk blocks of 32 */
                     const uint8_t *p = rec + (size_t)b * SDK_Q8_INTS;
                     const uint8_t *ps = rec + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
