@@ -146,6 +146,7 @@ JOINT_CASES = [
     ("eagle3", {"tree": "2,2", "sampling": "with-replacement"}, PROMPT),
     ("suffix", {"k": 3}, [1, 2, 3, 4, 1, 2, 3]),
     ("draft", {"k": 2, "draft_dtype": "int4"}, PROMPT),
+    ("draft", {"k": 2, "draft_dtype": "kq4"}, PROMPT),  # the kernel's Q4_0 blocks
     ("draft", {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"}, [5, 9, 2, 7, 1, 3, 5, 9]),
     ("eagle3", {"tree": "2,2", "draft_dtype": "int4"}, PROMPT),
     ("draft", {"k": 2, "draft_vocab": 10}, PROMPT),
@@ -159,7 +160,12 @@ NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [
     for c in JOINT_CASES
     if c[0] == "suffix"
     or (c[0] == "eagle3" and c[1] == {"k": 2})
-    or c[1] in ({"k": 2, "draft_dtype": "int4"}, {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"})
+    or c[1]
+    in (
+        {"k": 2, "draft_dtype": "int4"},
+        {"k": 2, "draft_dtype": "kq4"},
+        {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"},
+    )
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -252,6 +258,7 @@ INVARIANT_CASES = [
     ("auto", {"k": 4}),
     ("auto", {"k": 4, "with_draft": True}),
     ("draft", {"k": 4, "draft_dtype": "int4"}),
+    ("draft", {"k": 4, "draft_dtype": "kq4"}),
     ("draft", {"k": 4, "draft_vocab": 40}),
 ]
 INVARIANT = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_rule="invariant")

@@ -45,7 +45,7 @@ from .paths import cpu_name
 # candidates a measurement weighs (q4_k and q8_0 run the int4 / int8 kernels of the GGUF's own
 # blocks: pin them with --dtype; fp16 has no fast CPU kernel)
 TARGET_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq")
-DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq")
+DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq", "kq4")
 CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
 HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
 ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
@@ -205,14 +205,12 @@ def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen)
             w = torch.randn(out, inp, generator=gen).mul_(0.02).to(getattr(torch, spec.activations))
             made.append(Linear(w))
             continue
-        if spec.quant == "kq":  # random blocks of the format a load gives this width
+        if spec.quant in ("kq", "kq4"):  # random blocks of the format a load gives this width
             from .models.kernel_linear import KernelLinear, random_blocks
 
-            made.append(
-                KernelLinear(
-                    random_blocks(out, inp, int(torch.randint(1 << 30, (1,), generator=gen)), shapes.narrow)
-                )
-            )
+            narrow = "q4_0" if spec.quant == "kq4" else shapes.narrow
+            seed = int(torch.randint(1 << 30, (1,), generator=gen))
+            made.append(KernelLinear(random_blocks(out, inp, seed, narrow)))
             continue
         bits, group = QUANT_KINDS[spec.quant]
         scales = (torch.rand(out, generator=gen) * 1e-3 + 1e-4).to(torch.bfloat16).float()

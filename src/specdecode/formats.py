@@ -56,6 +56,11 @@ FORMATS: dict[str, WeightFormat] = {
             "kq", "float32", "kq", 0.5 + 16 / 256,
             "GGUF blocks x int8 rows, specdecode's kernel: a GGUF's own, else Q4_K", openvino=False,
         ),
+        WeightFormat(
+            "kq4", "float32", "kq4", 0.5 + 2 / 32,
+            "specdecode's kernel in 4 bits: a GGUF's Q4_K, Q6_K, Q4_0; the rest rounded to Q4_0 (drafts)",
+            openvino=False,
+        ),
         WeightFormat("q4_k", "bfloat16", "q4_k", 0.5 + 12 / 256, "a GGUF's Q4_K blocks", True, False, False),
         WeightFormat("q8_0", "bfloat16", "q8_0", 1 + 2 / 32, "a GGUF's Q8_0 blocks", True, False, False),
     )

@@ -26,7 +26,8 @@ import numpy as np
 from ..errors import SpecDecodeError
 
 TILE = 16
-BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22), "q4_0": (32, 18)}  # inputs, bytes
+# inputs, bytes
+BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22), "q4_0": (32, 18)}
 RECORD = {
     "q4_k": 2048 + 128 + 128 + 32 + 32,
     "q6_k": 2048 + 1024 + 256 + 32 + 32,

@@ -262,7 +262,7 @@ def load(
         backend = "lean"
     path = resolve(name_or_path, dtype if quant is None else torch.bfloat16)
     fmt = quant
-    if quant in GGUF_QUANTS or (quant == "kq" and gguf_source(name_or_path) is not None):
+    if quant in GGUF_QUANTS or (quant in ("kq", "kq4") and gguf_source(name_or_path) is not None):
         qweights, quant = _gguf_qweights(str(name_or_path), quant)
     try:
         cfg = json.loads((path / "config.json").read_text())

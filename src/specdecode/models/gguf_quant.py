@@ -28,12 +28,17 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
-from ..kernels.blocks import BlockWeight, quantize_q8_0
+from ..kernels.blocks import BlockWeight, quantize_q4_0, quantize_q8_0
 from .gguf_import import _field, _require_gguf, hf_name, unpermute_rope
 from .quant import QWeight, _bf16
 
 # what a fmt keeps as is: GGUF type name -> our format
-KEEPS = {"q4_k": ("Q4_K",), "q8_0": (), "kq": ("Q4_K", "Q6_K", "Q8_0", "Q5_0")}
+KEEPS = {
+    "q4_k": ("Q4_K",),
+    "q8_0": (),
+    "kq": ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"),
+    "kq4": ("Q4_K", "Q6_K", "Q4_0"),
+}
 FALLBACK = "int8"  # every other matrix (kq: Q8_0)
 
 
@@ -103,7 +108,7 @@ class GGUFQWeights(Mapping):
         t = self.tensors[name]
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
         kind = t.tensor_type.name
-        if self.fmt == "kq":
+        if self.fmt in ("kq", "kq4"):
             return self._unpermute(name, self._blocks(t, kind, rows, cols))
         if kind in KEEPS[self.fmt] and kind == "Q4_K":
             q = q4_k_to_int4(t.data, rows, cols)
@@ -113,10 +118,15 @@ class GGUFQWeights(Mapping):
         return self._unpermute(name, q)
 
     def _blocks(self, t, kind: str, rows: int, cols: int) -> BlockWeight:
-        """A tensor's blocks for the kernel: as stored, anything else rounded to Q8_0."""
+        """A tensor's blocks for the kernel: as stored, anything else rounded to Q8_0 (kq4: to
+        Q4_0, said nowhere: a draft's weights never change the output)."""
         raw = np.asarray(t.data).reshape(rows, -1)
-        if kind in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
+        if kind in KEEPS[self.fmt]:
             return BlockWeight(kind.lower(), raw, cols)
+        if self.fmt == "kq4":
+            gguf = _require_gguf()
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
+            return quantize_q4_0(np.asarray(w, dtype=np.float32))
         if kind not in self.rounded:
             self.rounded.add(kind)
             print(
@@ -174,7 +184,7 @@ class GGUFQWeights(Mapping):
 def read_qweights(path: str | Path, fmt: str) -> tuple[GGUFQWeights, str]:
     """(the file's matrices as QWeights (kq: BlockWeights) by our names, the format the rest are
     quantized to)."""
-    return GGUFQWeights(path, fmt), ("kq" if fmt == "kq" else FALLBACK)
+    return GGUFQWeights(path, fmt), (fmt if fmt in ("kq", "kq4") else FALLBACK)
 
 
 @functools.lru_cache(maxsize=8)

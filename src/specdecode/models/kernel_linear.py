@@ -1,7 +1,9 @@
 """Projections through specdecode's own kernel (kernels/): GGUF blocks times int8 activations.
 
-`kq` is the weight format: a GGUF's own Q4_K, Q6_K, Q8_0 and Q5_0 blocks byte for byte, or float
-weights rounded to Q4_K (Q8_0 where the input width is not a multiple of 256). Each row's
+`kq` is the weight format: a GGUF's own Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 blocks byte for byte, or
+float weights rounded to Q4_K (Q8_0 where the input width is not a multiple of 256). `kq4`, for a
+draft model, keeps a GGUF's Q4_K, Q6_K and Q4_0 and rounds everything else to Q4_0 (4.5 bits a
+weight: the 0.5B draft's Q5_0 and Q8_0 matrices, 17% of its bytes less). Each row's
 activations are quantized on their own and every integer sum is exact, so a row's output does
 not depend on how many rows share the call, on the instruction set or on the threads: the
 batch-invariant forward needs no padding (`row_multiple` 1) and costs nothing, and a prefill
@@ -24,24 +26,32 @@ from ..kernels import (
     quantize_q4_k,
     quantize_q8_0,
 )
+from ..kernels.blocks import quantize_q4_0
 from .linear import Linear, runs_of
 
 
-def to_blocks(weight: torch.Tensor) -> BlockWeight:
-    """A float [out, in] weight as Q4_K (in a multiple of 256) or Q8_0 blocks, rounded to nearest."""
+def to_blocks(weight: torch.Tensor, four: bool = False) -> BlockWeight:
+    """A float [out, in] weight as Q4_K (in a multiple of 256) or Q8_0 blocks (four, kq4: Q4_0),
+    rounded as ggml rounds them."""
     w = weight.detach().float().cpu().numpy()
-    return quantize_q4_k(w) if w.shape[1] % 256 == 0 else quantize_q8_0(w)
+    if w.shape[1] % 256 == 0:
+        return quantize_q4_k(w)
+    return quantize_q4_0(w) if four else quantize_q8_0(w)
 
 
 def random_blocks(out: int, inp: int, seed: int, narrow: str = "q8_0") -> BlockWeight:
     """Random blocks of the format a load gives an [out, inp] weight (Q4_K when inp is a multiple
-    of 256, else `narrow`: Q8_0 or a GGUF's Q5_0), with small finite scales: for timing
-    (autotune) without quantizing."""
+    of 256, else `narrow`: Q8_0, a GGUF's Q5_0, or kq4's Q4_0), with small finite scales: for
+    timing (autotune) without quantizing."""
     rng = np.random.default_rng(seed)
     if inp % 256 == 0:
         raw = rng.integers(0, 256, (out, inp // 256, 144), dtype=np.uint8)
         raw[..., 0:4] = np.array([1e-3, 1e-3], np.float16).view(np.uint8)
         return BlockWeight("q4_k", raw.reshape(out, -1), inp)
+    if narrow == "q4_0":
+        raw = rng.integers(0, 256, (out, -(-inp // 32), 18), dtype=np.uint8)
+        raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+        return BlockWeight("q4_0", raw.reshape(out, -1), inp)
     if narrow == "q5_0":
         raw = rng.integers(0, 256, (out, -(-inp // 32), 22), dtype=np.uint8)
         raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
@@ -126,11 +136,11 @@ class KernelLinear(Linear):
         return made
 
 
-def kernel_linears(parts: list, bias: torch.Tensor | None) -> list[KernelLinear]:
+def kernel_linears(parts: list, bias: torch.Tensor | None, four: bool = False) -> list[KernelLinear]:
     """The projection stacking `parts` (BlockWeights kept as they are, float tensors rounded to
-    blocks): one KernelLinear when their formats agree, else one per run of a format, whose
-    outputs sit side by side (quant.ConcatLinear)."""
-    blocks = [p if isinstance(p, BlockWeight) else to_blocks(p) for p in parts]
+    blocks; four: kq4's Q4_0 for widths that are no multiple of 256): one KernelLinear when their
+    formats agree, else one per run of a format, whose outputs sit side by side (ConcatLinear)."""
+    blocks = [p if isinstance(p, BlockWeight) else to_blocks(p, four) for p in parts]
     made, start = [], 0
     for run in runs_of(blocks, lambda b: (b.kind, b.raw.shape[1])):
         w = BlockWeight.cat(run)

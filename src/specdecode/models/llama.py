@@ -380,7 +380,7 @@ class LlamaModel:
         KernelAttention: one C call a layer, each query alone over the float32 keys and values the
         invariant cache holds) instead of InvariantAttention's chunked GEMMs: every model on the
         CPU where the kernel is built (kq, and float models of any dtype)."""
-        if self.cfg.linear_layers or self.device.type != "cpu" or self.quant not in (None, "kq"):
+        if self.cfg.linear_layers or self.device.type != "cpu" or self.quant not in (None, "kq", "kq4"):
             return False
         return _kernel_built()
 
@@ -396,7 +396,10 @@ class LlamaModel:
         return (
             self.dtype == torch.float32
             and self.kernel_attention
-            and (self.quant == "kq" or all(getattr(p, "layout", "") == "kernel" for _, p in self.linears()))
+            and (
+                self.quant in ("kq", "kq4")
+                or all(getattr(p, "layout", "") == "kernel" for _, p in self.linears())
+            )
             and not self.cfg.qk_norm
             and all(layer.hidden_norm is None for layer in self.layers)
         )

@@ -32,7 +32,14 @@ from .linear import UPCAST_FROM_ROWS, Linear, runs_of
 # weight format name -> (bits, group size; None: one scale per output row). w8a8: int8 weights
 # per row times int8 activations quantized per row on the fly (DynamicInt8Linear); kq: GGUF blocks
 # through specdecode's own kernel (models/kernel_linear.py)
-QUANT_KINDS = {"int8": (8, None), "int4": (4, 32), "int4-g128": (4, 128), "w8a8": (8, None), "kq": (4, 256)}
+QUANT_KINDS = {
+    "int8": (8, None),
+    "int4": (4, 32),
+    "int4-g128": (4, 128),
+    "w8a8": (8, None),
+    "kq": (4, 256),
+    "kq4": (4, 32),
+}
 ACT_DTYPE = torch.bfloat16  # the kernels' fast activation type on CPU
 
 
@@ -509,10 +516,10 @@ def quantized_linear(
     `kind`; QWeights are kept as they are): a QuantLinear when the formats agree, else a
     ConcatLinear of one QuantLinear per format run. onednn: a w8a8 projection's oneDNN copy
     (DynamicInt8Linear), for a model that will choose_int8_kernels."""
-    if kind == "kq":
+    if kind in ("kq", "kq4"):
         from .kernel_linear import kernel_linears
 
-        made = kernel_linears(parts, bias)
+        made = kernel_linears(parts, bias, four=kind == "kq4")
         return made[0] if len(made) == 1 else ConcatLinear(made)
     if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
         qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]
