@@ -581,26 +581,27 @@ def _q6_k_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
 
 def _q5_0_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
     """A Q5_0 matrix of w's shape with random bytes (row 0: every value 31, row 1: every value 0)."""
-    n, k = w.shape
-    nb = -(-k // 32)
-    raw = gen.integers(0, 256, (n, nb, 22), dtype=np.uint8)
-    raw[0, :, 2:] = 0xFF
-    if n > 1:
-        raw[1, :, 2:] = 0
-    raw[..., 0:2] = (np.float16(0.01) * (1 + gen.random((n, nb, 1)))).astype(np.float16).view(np.uint8)
-    return BlockWeight("q5_0", raw.reshape(n, -1), k)
+    return _blocks32_of(w, gen, "q5_0")
 
 
 def _q4_0_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
     """A Q4_0 matrix of w's shape with random bytes (row 0: every value 15, row 1: every value 0)."""
+    return _blocks32_of(w, gen, "q4_0")
+
+
+def _blocks32_of(w: np.ndarray, gen: np.random.Generator, kind: str) -> BlockWeight:
+    """Random blocks of 32 with an fp16 d first (Q5_0, Q4_0): every other byte 0xFF in row 0, 0
+    in row 1, small positive scales."""
+    from .blocks import BLOCK
+
     n, k = w.shape
-    nb = -(-k // 32)
-    raw = gen.integers(0, 256, (n, nb, 18), dtype=np.uint8)
+    raw = gen.integers(0, 256, (n, -(-k // 32), BLOCK[kind][1]), dtype=np.uint8)
     raw[0, :, 2:] = 0xFF
     if n > 1:
         raw[1, :, 2:] = 0
-    raw[..., 0:2] = (np.float16(0.01) * (1 + gen.random((n, nb, 1)))).astype(np.float16).view(np.uint8)
-    return BlockWeight("q4_0", raw.reshape(n, -1), k)
+    d = np.float16(0.01) * (1 + gen.random((*raw.shape[:2], 1)))
+    raw[..., 0:2] = d.astype(np.float16).view(np.uint8)
+    return BlockWeight(kind, raw.reshape(n, -1), k)
 
 
 @functools.cache

@@ -12,9 +12,10 @@ Other types have no torch kernel of their own: Q6_K, Q5_0, Q8_0 and float matric
 with one scale per output row, quantized from their dequantized values (int8 keeps more than
 the 5-6 bits these carry, up to the row's range). `q8_0` requantizes everything that way.
 
-`kq` (specdecode's kernel, kernels/) keeps every Q4_K, Q6_K, Q8_0 and Q5_0 tensor's values bit
-for bit: the very weights llama.cpp reads. Any other type (F16, Q4_1,
-...) is dequantized and rounded to Q8_0, said once per file on stderr.
+`kq` (specdecode's kernel, kernels/) keeps every Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensor's values
+bit for bit: the very weights llama.cpp reads. Any other type (F16, Q4_1, ...) is dequantized and
+rounded to Q8_0, said once per file on stderr. `kq4` (a draft's format) keeps Q4_K, Q6_K and Q4_0
+and rounds every other matrix to Q4_0.
 """
 
 from __future__ import annotations
