@@ -407,7 +407,7 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"},
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0
+    assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0, q4_0
     compared = int(run.stdout.split(" path runs, ")[1].split()[0])
     assert compared == len(kernels.runnable_isas())  # RoPE + attention ran on every path
     floats = int(run.stdout.split(" rope_attention runs, ")[1].split()[0])
