@@ -14,8 +14,10 @@ the 5-6 bits these carry, up to the row's range). `q8_0` requantizes everything 
 
 `kq` (specdecode's kernel, kernels/) keeps every Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensor's values
 bit for bit: the very weights llama.cpp reads. Any other type (F16, Q4_1, ...) is dequantized and
-rounded to Q8_0, said once per file on stderr. `kq4` (a draft's format) keeps Q4_K, Q6_K and Q4_0
-and rounds every other matrix to Q4_0.
+rounded to Q8_0, said once per file on stderr. `kq4` (a draft's format) keeps Q4_K and Q4_0 and
+rounds every other matrix to Q4_0, Q6_K included: a draft's bytes are its speed, and its weights
+never change the output (benchmarks/NOTES.md, issue 53: the 0.5B's Q6_K down projections as Q4_0
+took 5% off its drafting time a round, tau -1%).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ KEEPS = {
     "q4_k": ("Q4_K",),
     "q8_0": (),
     "kq": ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"),
-    "kq4": ("Q4_K", "Q6_K", "Q4_0"),
+    "kq4": ("Q4_K", "Q4_0"),
 }
 FALLBACK = "int8"  # every other matrix (kq: Q8_0)
 
