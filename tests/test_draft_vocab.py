@@ -160,6 +160,47 @@ def test_greedy_with_a_list_and_its_fallback_equals_target_only_in_a_ragged_batc
         assert sum(r.stats.drafted for r in got) > 0
 
 
+def test_a_greedy_chain_over_the_list_draws_and_stops_as_over_the_whole_row(pair_dir, monkeypatch):
+    """ReducedHeadModel.step gives a greedy chain the list's logits only (no [B, V] row): the same
+    values as forward()'s row, its argmax the row's (ties to the smallest id), and a confidence
+    policy's stops where the full softmax stops: the same drafts, rounds and text."""
+    import torch
+
+    from specdecode import SpecConfig
+    from specdecode.drafters.base import DraftChain
+
+    target, draft, reduced = _reduced(pair_dir, 40, fallback=0)
+    rows = torch.tensor([[1, 2, 3, 4], [9, 8, 7, 6]])
+    a, b = reduced.new_cache(2, 16, invariant=True), reduced.new_cache(2, 16, invariant=True)
+    reduced.forward(rows, a), reduced.forward(rows, b)
+    step = reduced.step(torch.tensor([[5], [5]]), a)
+    assert isinstance(step, dv.ListedLogits)
+    assert torch.equal(step.full(), reduced.forward(torch.tensor([[5], [5]]), b)[0][:, -1])
+    tie = dv.ListedLogits(torch.tensor([[0.0, 3.0, 3.0, 1.0]]), torch.tensor([2, 5, 9, 11]), 16)
+    assert tie.ids[tie.values.argmax(-1)].tolist() == tie.full().argmax(-1).tolist() == [5]
+
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]
+    config = SpecConfig(method="draft", k=4, draft_vocab=40, draft_vocab_fallback=0, policy="confidence")
+    drawn, real = [], DraftChain.draw
+
+    def draw(self, logits):
+        drawn.append(type(logits))
+        return real(self, logits)
+
+    monkeypatch.setattr(DraftChain, "draw", draw)
+
+    def run():
+        got = SpeculativeGenerator(target, draft=draft, config=config).generate(prompts, params)
+        return [(r.token_ids, r.stats.drafted, r.stats.rounds) for r in got]
+
+    listed = run()
+    assert dv.ListedLogits in drawn  # the chain's later steps came as the list's logits
+    monkeypatch.setattr(dv.ReducedHeadModel, "step", property(lambda self: None))  # full rows only
+    drawn.clear()
+    assert run() == listed and dv.ListedLogits not in drawn
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_a_bad_fallback_is_a_one_line_error(value):
     from specdecode import SpecConfig

@@ -18,6 +18,7 @@ from ..core.proposal import Proposal
 from ..core.sampling import logits_to_probs, sample
 from ..errors import SpecDecodeError
 from ..models.base import chunk_steps
+from ..models.draft_vocab import ListedLogits
 
 if TYPE_CHECKING:
     from ..core.config import SpecConfig
@@ -199,10 +200,17 @@ class DraftChain:
     def width(self) -> int:
         return max(self.limits, default=0)
 
-    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Draw the next token [B] from logits [B, V]; also True once every row has stopped."""
+    def draw(self, logits: torch.Tensor | ListedLogits) -> tuple[torch.Tensor, bool]:
+        """Draw the next token [B] from logits [B, V] (or a draft vocabulary's ListedLogits);
+        also True once every row has stopped."""
         step = len(self.tokens)
-        if self.greedy:
+        listed = logits if isinstance(logits, ListedLogits) else None
+        if listed is not None and not self.greedy:
+            logits, listed = listed.full(), None
+        if listed is not None:  # greedy over the list: its argmax and softmax are the full row's
+            at = listed.values.argmax(-1, keepdim=True)
+            tok = listed.ids[at.view(-1)]
+        elif self.greedy:
             tok = logits.argmax(-1)
         else:
             q = logits_to_probs(logits.unsqueeze(1), self.ctx.warp).squeeze(1)  # [B, V]
@@ -212,7 +220,9 @@ class DraftChain:
             self.probs.append(q)
         self.tokens.append(tok)
         conf = None
-        if self.stop_below is not None:
+        if self.stop_below is not None and listed is not None:
+            conf = torch.softmax(listed.values.float(), -1).gather(1, at).squeeze(1).tolist()
+        elif self.stop_below is not None:
             conf = confidence(logits, self.probs or None, tok.view(-1, 1)).tolist()
         for b, active in enumerate(self.active):
             if active:

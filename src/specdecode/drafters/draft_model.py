@@ -238,11 +238,14 @@ class DraftModelDrafter(Drafter):
         if behind > CAUGHT_UP:  # fed more than a round leaves it behind: a catch-up, timed
             self._catch_up_s += time.perf_counter() - t0
         chain = DraftChain(ctx, limits, stop_below)
+        # a greedy chain over a draft vocabulary: each step's logits over the list only
+        step = getattr(self.model, "step", None) if chain.greedy else None
         for i in range(chain.width):
             tok, stopped = chain.draw(logits)
             if stopped or i == chain.width - 1:
                 break
-            logits = self.model.forward(tok.view(-1, 1), cache)[0][:, -1]
+            fed = tok.view(-1, 1)
+            logits = step(fed, cache) if step else self.model.forward(fed, cache)[0][:, -1]
         if any_cold:
             self._keep_cold(state, held)
         return chain.proposal()

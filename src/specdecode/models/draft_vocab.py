@@ -93,6 +93,21 @@ def frequent_ids(model, size: int | str | Path) -> torch.Tensor:
     return torch.tensor(sorted(keep), dtype=torch.long, device=model.device)
 
 
+class ListedLogits:
+    """A step's logits over a draft vocabulary only: values [B, N] for the token ids `ids` [N]
+    (ascending), every other token -inf. A greedy chain draws from it without building the
+    [B, V] row (ReducedHeadModel.step): the argmax over the values is the full row's argmax (the
+    first maximum in id order either way) and their softmax its softmax."""
+
+    def __init__(self, values: torch.Tensor, ids: torch.Tensor, vocab: int) -> None:
+        self.values, self.ids, self.vocab = values, ids, vocab
+
+    def full(self) -> torch.Tensor:
+        """The [B, V] logits forward() gives."""
+        out = self.values.new_full((self.values.shape[0], self.vocab), float("-inf"))
+        return out.index_copy_(1, self.ids, self.values)
+
+
 def _template_ids(model) -> list[int]:
     """The special tokens and the ids of an empty chat turn as the model's template writes it."""
     tok = getattr(model, "tokenizer", None)
@@ -115,6 +130,7 @@ class ReducedHeadModel:
             raise SpecDecodeError("a draft vocabulary needs our lean runtime for the draft model")
         if not isinstance(fallback, int) or isinstance(fallback, bool) or fallback < 0:
             raise SpecDecodeError(f"draft_vocab_fallback must be an integer >= 0, got {fallback!r}")
+        ids = torch.unique(ids)  # ascending (ListedLogits' argmax is the full row's)
         self.inner, self.ids, self.fallback = model, ids, fallback
         # tokens that do not count against the list: its own, the special tokens and what the chat
         # template writes itself (role markers, a default system prompt): every chat prompt ends
@@ -161,6 +177,17 @@ class ReducedHeadModel:
     def weight_bytes(self) -> int:
         full = linear_nbytes(self.inner._head)
         return self.inner.weight_bytes() - full + linear_nbytes(self._head)
+
+    def step(self, tokens: torch.Tensor, cache) -> torch.Tensor | ListedLogits:
+        """One token a row [B, 1] appended: its next-token logits, as ListedLogits when every row
+        drafts on the list's head this round (no [B, V] row built), else forward()'s [B, V]."""
+        whole = self.whole_rows
+        if whole is not None and bool(whole.any()):
+            return self.forward(tokens, cache)[0][:, -1]
+        _, hidden = self.inner.forward(tokens, cache, ForwardMeta(return_hidden=True, need_logits=False))
+        h = hidden[:, -1]
+        values = self._head(h, invariant=getattr(cache, "invariant", False))
+        return ListedLogits(values, self.ids, self.inner.vocab_size)
 
     def forward(self, tokens: torch.Tensor, cache, meta: ForwardMeta | None = None):
         meta = meta or ForwardMeta()
