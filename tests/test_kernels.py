@@ -898,55 +898,76 @@ def test_a_products_bits_do_not_depend_on_how_far_ahead_it_prefetches(isa):
         for w in weights(rng, 40, 1280):
             packed = PackedWeight(w)
             lib.sdk_set_prefetch(1)
+            lib.sdk_set_prefetch_hint(0)
             want = [kernels.linear(x[:m], packed, isa=isa) for m in range(1, 9)]
-            for blocks in (2, 3, 4, 8):
+            for blocks, hint in ((2, 0), (3, 1), (4, 0), (8, 1), (1, 1)):
                 lib.sdk_set_prefetch(blocks)
+                lib.sdk_set_prefetch_hint(hint)
                 for m in range(1, 9):
                     got = kernels.linear(x[:m], packed, isa=isa)
-                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, m)
+                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, hint, m)
     finally:
-        lib.sdk_set_prefetch(kernels.prefetch_blocks())
+        blocks, hint = kernels.prefetch_choice()
+        lib.sdk_set_prefetch(blocks)
+        lib.sdk_set_prefetch_hint(kernels.HINTS.index(hint))
 
 
-def test_the_prefetch_distance_is_one_record_unless_a_longer_one_is_clearly_faster(monkeypatch, tmp_path):
+def test_the_prefetch_hint_is_the_faster_and_the_distance_one_record_unless_another_is_clearly_faster(
+    monkeypatch, tmp_path
+):
     class Lib:
-        blocks = 1
+        blocks, hint = 1, 0
 
         def sdk_set_prefetch(self, blocks):
             self.blocks = blocks
 
+        def sdk_set_prefetch_hint(self, nta):
+            self.hint = nta
+
     lib = Lib()
     monkeypatch.delenv("SPECDECODE_PREFETCH", raising=False)
+    monkeypatch.delenv("SPECDECODE_PREFETCH_HINT", raising=False)
     monkeypatch.setattr(kernels, "_lib", lambda: lib)
     monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
     monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
-    for seconds, want in (
-        ({1: 1.0, 2: 0.99, 3: 0.98, 4: 0.97}, 1),  # within PREFETCH_CLEARLY: one record
-        ({1: 1.0, 2: 0.9, 3: 0.7, 4: 0.75}, 3),
+    t0 = {1: 1.0, 2: 0.99, 3: 0.98, 4: 0.97}  # longer distances within PREFETCH_CLEARLY
+    for seconds, want in (  # NTA unless T0 is clearly faster (products alone cannot see its gain)
+        ({**{(b, 0): s for b, s in t0.items()}, **{(b, 1): s + 0.1 for b, s in t0.items()}}, (1, "t0")),
+        ({**{(b, 0): s for b, s in t0.items()}, **{(b, 1): s + 0.03 for b, s in t0.items()}}, (1, "nta")),
+        ({**{(b, 0): s for b, s in t0.items()}, **{(b, 1): s - 0.1 for b, s in t0.items()}}, (1, "nta")),
+        ({(1, 0): 1.0, (2, 0): 0.9, (3, 0): 0.7, (4, 0): 0.75, **{(b, 1): 1.2 for b in t0}}, (3, "t0")),
+        ({**{(b, 0): 1.0 for b in t0}, (1, 1): 1.0, (2, 1): 0.9, (3, 1): 0.92, (4, 1): 1.0}, (2, "nta")),
     ):
-        build = tmp_path / str(want)
+        build = tmp_path / str(len(list(tmp_path.iterdir())))
         build.mkdir()
         monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
-        monkeypatch.setattr(kernels, "_timed", lambda isa, w, rows, repeats, s=seconds: s[lib.blocks])
-        kernels.prefetch_blocks.cache_clear()
+        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.blocks, lib.hint])
+        set_to = (want[0], kernels.HINTS.index(want[1]))
+        kernels.prefetch_choice.cache_clear()
         try:
-            assert kernels.prefetch_blocks() == want and lib.blocks == want, seconds
+            assert kernels.prefetch_choice() == want and (lib.blocks, lib.hint) == set_to, seconds
             # a later process reads the recorded choice, sets it and times nothing
-            lib.blocks = 1
+            lib.blocks, lib.hint = 1, 0
             monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
-            kernels.prefetch_blocks.cache_clear()
-            assert kernels.prefetch_blocks() == want and lib.blocks == want
+            kernels.prefetch_choice.cache_clear()
+            assert kernels.prefetch_blocks() == want[0] and (lib.blocks, lib.hint) == set_to
         finally:
-            kernels.prefetch_blocks.cache_clear()
+            kernels.prefetch_choice.cache_clear()
     try:
         monkeypatch.setattr(kernels, "chosen_isa", lambda: "ref")  # the reference prefetches nothing
-        assert kernels.prefetch_blocks() == 1
-        kernels.prefetch_blocks.cache_clear()
+        assert kernels.prefetch_choice() == (1, "t0")
+        kernels.prefetch_choice.cache_clear()
+        monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
         monkeypatch.setenv("SPECDECODE_PREFETCH", "2")
-        assert kernels.prefetch_blocks() == 2 and lib.blocks == 2
-        kernels.prefetch_blocks.cache_clear()
+        monkeypatch.setenv("SPECDECODE_PREFETCH_HINT", "nta")
+        assert kernels.prefetch_choice() == (2, "nta") and (lib.blocks, lib.hint) == (2, 1)
+        kernels.prefetch_choice.cache_clear()
         monkeypatch.setenv("SPECDECODE_PREFETCH", "9")
         with pytest.raises(SpecDecodeError, match="from 1 to 8"):
-            kernels.prefetch_blocks()
+            kernels.prefetch_choice()
+        monkeypatch.setenv("SPECDECODE_PREFETCH", "2")
+        monkeypatch.setenv("SPECDECODE_PREFETCH_HINT", "l3")
+        with pytest.raises(SpecDecodeError, match="t0, nta"):
+            kernels.prefetch_choice()
     finally:
-        kernels.prefetch_blocks.cache_clear()
+        kernels.prefetch_choice.cache_clear()

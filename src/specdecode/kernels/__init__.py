@@ -30,7 +30,7 @@ from .build import BuildError, built_library
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 7
+ABI = 8
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "available",
     "chosen_isa",
     "prefetch_blocks",
+    "prefetch_choice",
     "linear",
     "linear_parts",
     "float_linear",
@@ -89,6 +90,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_quantize.argtypes = [P, L, i, i, i, P, f, i, i]
     lib.sdk_set_prefetch.argtypes = [i]
     lib.sdk_set_prefetch.restype = None
+    lib.sdk_set_prefetch_hint.argtypes = [i]
+    lib.sdk_set_prefetch_hint.restype = None
     lib.sdk_product.argtypes = [i, P, i, i, i, i, P, L, P, P, L, i, i]
     lib.sdk_linear_ex.argtypes = [i, P, i, i, i, P, L, i, P, L, i, P, f, P, P, L, i, i]
     lib.sdk_rope_attention.argtypes = [
@@ -739,52 +742,80 @@ def chosen_isa() -> str:
 
 PREFETCH = (1, 2, 3, 4)  # records ahead a product of several rows may prefetch
 PREFETCH_CLEARLY = 1.05  # a longer distance is chosen over one record only when this much faster
+HINTS = ("t0", "nta")  # the prefetches' cache hint: to L1 (Q6_K's to L2), or non-temporal
 
 
-@functools.cache
 def prefetch_blocks() -> int:
     """How many weight records ahead the SIMD paths prefetch Q4_K and Q6_K in a product of two
     or more rows (one row: one record; Q8_0 and Q5_0, whose records are small: 4, or 8 x this when
-    above one, at every row count). It changes speed only, never bits, and the distance that pays
-    is the CPU's: on a Zen 4 EPYC one record, on a Zen 5 EPYC three or four (a 5-row step of the
-    1.5B 28.3 -> 20.9 ms, of the 0.5B 16.0 -> 13.3; benchmarks/NOTES.md). SPECDECODE_PREFETCH=1..8
-    forces it; else 5 rows through the 56 MB of random Q4_K weights are timed at each distance of
-    PREFETCH, interleaved, and one record is kept unless another is PREFETCH_CLEARLY faster (kept
-    in the build's choice.json per CPU, as chosen_isa)."""
+    above one, at every row count); prefetch_choice() says it with the hint."""
+    return prefetch_choice()[0]
+
+
+@functools.cache
+def prefetch_choice() -> tuple[int, str]:
+    """(records ahead, cache hint) of the SIMD paths' weight prefetches, set in the library. Speed
+    only, never bits, and what pays is the CPU's: the distance on a Zen 4 EPYC one record, on a
+    Zen 5 EPYC three or four (a 5-row step of the 1.5B 28.3 -> 20.9 ms, of the 0.5B 16.0 -> 13.3);
+    the hint on the Zen 5 non-temporal (the 1.5B's step 3-4% faster, the pair's rounds 4-5%;
+    benchmarks/NOTES.md). SPECDECODE_PREFETCH=1..8 and SPECDECODE_PREFETCH_HINT=t0|nta force them;
+    else 1 and 5 rows through the 56 MB of random Q4_K weights are timed at each distance of
+    PREFETCH with each hint, interleaved (_time_prefetch): NTA unless T0 is clearly faster, then one
+    record unless another distance is PREFETCH_CLEARLY faster with that hint (kept in the build's
+    choice.json per CPU, as chosen_isa)."""
     lib = _lib()
     if lib is None:
-        return 1
-    forced = os.environ.get("SPECDECODE_PREFETCH")
-    if forced:
-        if not forced.isdigit() or not 1 <= int(forced) <= 8:
-            raise SpecDecodeError(f"SPECDECODE_PREFETCH={forced!r}: give a number of records from 1 to 8")
-        lib.sdk_set_prefetch(int(forced))
-        return int(forced)
+        return 1, "t0"
+    forced, forced_hint = os.environ.get("SPECDECODE_PREFETCH"), os.environ.get("SPECDECODE_PREFETCH_HINT")
+    if forced and (not forced.isdigit() or not 1 <= int(forced) <= 8):
+        raise SpecDecodeError(f"SPECDECODE_PREFETCH={forced!r}: give a number of records from 1 to 8")
+    if forced_hint and forced_hint not in HINTS:
+        raise SpecDecodeError(f"SPECDECODE_PREFETCH_HINT={forced_hint!r}: give one of {', '.join(HINTS)}")
     isa = chosen_isa()
     if isa == "ref":  # the scalar reference prefetches nothing
-        return 1
+        return 1, "t0"
+    chosen = (int(forced), forced_hint) if forced and forced_hint else None
     key, record = f"{cpu_name()} {isa} prefetch", built_library().parent / "choice.json"
-    try:
-        known = json.loads(record.read_text())
-    except (OSError, ValueError):
-        known = {}
-    chosen = known.get(key)
-    if chosen not in PREFETCH:
-        weights, seconds = _timing_weights(), dict.fromkeys(PREFETCH, float("inf"))
-        for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
-            for blocks in PREFETCH:
-                lib.sdk_set_prefetch(blocks)
-                seconds[blocks] = min(seconds[blocks], _timed(isa, weights, rows=(5,), repeats=1))
-        best = min(PREFETCH, key=seconds.get)
-        chosen = 1 if seconds[1] <= PREFETCH_CLEARLY * seconds[best] else best
+    if chosen is None:
         try:
-            tmp = record.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**known, key: chosen}))
-            tmp.replace(record)
-        except OSError:
-            pass
-    lib.sdk_set_prefetch(chosen)
+            known = json.loads(record.read_text())
+        except (OSError, ValueError):
+            known = {}
+        got = known.get(key)
+        if isinstance(got, list) and len(got) == 2 and got[0] in PREFETCH and got[1] in HINTS:
+            chosen = (got[0], got[1])
+        else:
+            chosen = _time_prefetch(lib, isa)
+            try:
+                tmp = record.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({**known, key: list(chosen)}))
+                tmp.replace(record)
+            except OSError:
+                pass
+        chosen = (int(forced) if forced else chosen[0], forced_hint or chosen[1])
+    lib.sdk_set_prefetch(chosen[0])
+    lib.sdk_set_prefetch_hint(HINTS.index(chosen[1]))
     return chosen
+
+
+def _time_prefetch(lib, isa: str) -> tuple[int, str]:
+    """prefetch_choice's timing: every (distance, hint), interleaved three times, the fastest pass
+    of each. The hint is non-temporal unless T0 is PREFETCH_CLEARLY faster: products alone time
+    the same with either on a Zen 5 EPYC (56 and 232 MB of Q4_K, 1 and 5 rows), while its whole
+    forwards ran 3-4% faster with NTA (the weights' stream leaves L2 to the activations, the cache
+    and the rest of the step: benchmarks/NOTES.md, issue 53), so the timing only guards against a
+    CPU whose products NTA slows (lines evicted before their loads)."""
+    weights = _timing_weights()
+    seconds = {(b, h): float("inf") for b in PREFETCH for h in HINTS}
+    for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
+        for b, h in seconds:
+            lib.sdk_set_prefetch(b)
+            lib.sdk_set_prefetch_hint(HINTS.index(h))
+            seconds[b, h] = min(seconds[b, h], _timed(isa, weights, rows=(1, 5), repeats=1))
+    fastest = {h: min(seconds[b, h] for b in PREFETCH) for h in HINTS}
+    hint = "t0" if fastest["nta"] > PREFETCH_CLEARLY * fastest["t0"] else "nta"
+    best = min(PREFETCH, key=lambda b: seconds[b, hint])
+    return (1 if seconds[1, hint] <= PREFETCH_CLEARLY * seconds[best, hint] else best), hint
 
 
 def _timed(isa: str, weights: list[PackedWeight], rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:

@@ -107,6 +107,7 @@ def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: Forward
     D, G = c.head_dim, c.num_heads // c.num_kv_heads
     start = cache.aligned_start()  # the one length of every row, or None
     inv = getattr(cache, "invariant", False)
+    kernel = inv and getattr(model, "kernel_attention", False)  # KernelAttention, else InvariantAttention
     allowed = mask = slots = None  # allowed: [B or 1, T, S] the slots each token sees (invariant)
     causal = False
     if start is not None and positions is None and tree_mask is None:
@@ -125,7 +126,9 @@ def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: Forward
         # queries share the call, and a prompt prefilled in chunks, or continued from cached
         # blocks (prefill.py, prefix.py), must get the keys and values a whole prefill writes
         causal = s == 0 and T > 1 and _SDPA_GQA and not inv
-        if inv and not causal:
+        if kernel:
+            pass  # KernelAttention.causal below: every row's token t sees slots 0 .. s + t
+        elif inv and not causal:
             allowed = torch.arange(S, device=dev).view(1, 1, S) <= torch.arange(s, S, device=dev).view(
                 1, T, 1
             )
@@ -153,8 +156,11 @@ def plan_forward(model: PlannedModel, tokens: torch.Tensor, cache, meta: Forward
             )
             mask = blocked.unsqueeze(1).repeat(1, 1, G, 1)  # [B, 1, G*T, S], additive
     attention = None
-    if inv and allowed is not None:
-        kind = KernelAttention if getattr(model, "kernel_attention", False) else InvariantAttention
+    if kernel and s is not None:
+        attention = KernelAttention.causal(B, s, T, D, model.dtype, dev)
+        attention.slots = torch.arange(s, S, dtype=torch.int32, device=dev).expand(B, T).contiguous()
+    elif inv and allowed is not None:
+        kind = KernelAttention if kernel else InvariantAttention
         # the kernel's attention reads each token's seen slots in slot order, which for a tree is
         # its logical order (a node's ancestors sit at lower slots: nodes are written level by
         # level), so it needs no order of its own, also for a tree level written past the length

@@ -305,6 +305,20 @@ class KernelAttention:
         self.slots: torch.Tensor | None = None  # [B, T] int32 write slots, set by plan_forward
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE's cos, sin in float32
 
+    @classmethod
+    def causal(cls, batch: int, start: int, count: int, head_dim: int, dtype, device) -> KernelAttention:
+        """The attention of `count` tokens appended at `start` in every row (no tree, no ragged
+        lengths): token t sees slots 0 .. start + t, so its slots in order are a prefix of 0 .. S - 1.
+        What the constructor derives from that `allowed` mask (sorting it), built directly."""
+        S = start + count
+        self = cls.__new__(cls)
+        slots = torch.arange(S + 1, dtype=torch.int32, device=device)
+        self.idx = slots[:S].expand(batch, count, S).contiguous()
+        self.n = slots[start + 1 :].expand(batch, count).contiguous()
+        self.scale, self.dtype = head_dim**-0.5, dtype
+        self.slots, self.tables = None, None
+        return self
+
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         from ..kernels import attention
 

@@ -50,8 +50,8 @@ static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 
 
 #define LD(p) _mm256_loadu_si256((const __m256i *)(p))
 /* software prefetch about one block ahead in the read stream (see sdk_avx512vnni.c) */
-#define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
-#define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+#define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
+#define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
 /* Q6_K's lines: to L2, or to L1 where a lead of more than one record was timed (a Zen 5 EPYC,
  * forced AVX2: the 1.5B's Q6_K head and down 6-11% faster at one row, 5-7% at five) */
 #define PF6(p)                      \

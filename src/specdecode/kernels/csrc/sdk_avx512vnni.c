@@ -28,8 +28,8 @@
  * lines (its first ones, and its scales) to the hardware, and a one-row product read 77% of Q4_K's
  * GB/s; walking the tile made one row ~18% and two to five rows 10-27% faster (NOTES, issue 53) */
 #define SDK_PF_SMALL(rec) (sdk_pf_blocks == 1 ? 4L * (rec) : 8L * sdk_pf_blocks * (rec))
-#define PF(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
-#define PF2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+#define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
+#define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
 /* Q6_K's lines: to L2 where one record of lead was timed the best (a Zen 4 EPYC); for one or two
  * rows to L1 where a longer lead was (a Zen 5 EPYC: the 1.5B's Q6_K head and down 5-7% faster at
  * one row, 2-7% at two; at five rows L1 was 0-3% slower) */

@@ -19,11 +19,13 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 
-int sdk_abi_version(void) { return 7; }
+int sdk_abi_version(void) { return 8; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
 void sdk_set_prefetch(int blocks) { sdk_pf_blocks = blocks < 1 ? 1 : blocks > 8 ? 8 : blocks; }
+
+void sdk_set_prefetch_hint(int nta) { sdk_pf_nta = nta != 0; }
 
 static unsigned long long xgetbv0(void) {
     unsigned int lo, hi;
