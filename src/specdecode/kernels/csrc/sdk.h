@@ -78,7 +78,7 @@ extern int sdk_pf_blocks; /* how many records ahead a product of two or more row
 extern int sdk_pf_nta; /* 1: the SIMD paths' weight prefetches carry the non-temporal hint (NTA) instead
                         * of T0 / T1: on a Zen 5 EPYC the 1.5B's step 3-4% faster and the pair's
                         * rounds 4-5% (benchmarks/NOTES.md, issue 53); speed only, never bits: set by
-                        * sdk_set_prefetch_hint from a timing (kernels.prefetch_blocks) */
+                        * sdk_set_prefetch_hint from a timing (kernels.prefetch_choice) */
 #define SDK_PREFETCH(p, hint) \
     (sdk_pf_nta ? _mm_prefetch((const char *)(p), _MM_HINT_NTA) : _mm_prefetch((const char *)(p), hint))
 extern int sdk_fault; /* tests only: a path adds 1 to lane 3 of one integer sum, and one ulp to column 3
