@@ -20,6 +20,9 @@ int sdk_float_linear(const float *x, long ldx, int m, int pre, const float *pre_
                      long ldw, int n, int k, const float *bias, const float *res, long ldr, float *y, long ldy,
                      int isa, int nthreads);
 int sdk_isa_runs(int isa);
+/* sdk.h's SDK_NISA; the AMX path's threshold set to one row: its tiles at every row count */
+#define NISA 5
+extern void sdk_set_amx_rows(int, int) __attribute__((weak));
 
 static float *filled(size_t count, unsigned seed) {
     float *p = malloc(sizeof(float) * count);
@@ -39,7 +42,7 @@ static int rope_cases(void) {
     for (int i = 0; i < B * T * N; i++) idx[i] = (i * 37) % cap;
     float *want = 0, *wk = 0, *wv = 0;
     int runs = 0;
-    for (int isa = 0; isa < 4; isa++) {
+    for (int isa = 0; isa < NISA; isa++) {
         if (!sdk_isa_runs(isa)) continue;
         float *k = malloc(sizeof(float) * nk), *v = malloc(sizeof(float) * nv);
         float *q = malloc(sizeof(float) * B * T * H * D), *out = malloc(sizeof(float) * B * T * H * D);
@@ -93,7 +96,7 @@ static int float_cases(void) {
                     const float *b = pre ? bias : 0, *r = pre ? res : 0;
                     if (sdk_float_linear(x, width, m, pre, nw, 0.5f, w, wt, k, n, k, b, r, n, want, n, 0, 1) != 0)
                         return -1;
-                    for (int isa = 1; isa < 4; isa++) {
+                    for (int isa = 1; isa < NISA; isa++) {
                         if (!sdk_isa_runs(isa)) continue;
                         for (int threads = 1; threads <= 2; threads++) {
                             if (sdk_float_linear(x, width, m, pre, nw, 0.5f, w, wt, k, n, k, b, r, n, got, n, isa,
@@ -115,6 +118,7 @@ static int float_cases(void) {
 int main(int argc, char **argv) {
     FILE *f = fopen(argv[1], "rb");
     if (!f) return 2;
+    if (sdk_set_amx_rows) sdk_set_amx_rows(1, 1);
     int head[7], cases = 0, paths = 0;
     while (fread(head, sizeof(int), 7, f) == 7) {
         int type = head[0], n = head[1], nblk = head[2], k = head[3], m = head[4], wbytes = head[5], pre = head[6];
@@ -128,7 +132,7 @@ int main(int argc, char **argv) {
             return 2;
         const float *b = pre ? bias : 0, *r = pre ? res : 0;
         if (sdk_linear_ex(type, w, n, nblk, k, x, width, m, want, n, pre, nw, 0.5f, b, r, n, 0, 1) != 0) return 3;
-        for (int isa = 1; isa < 4; isa++) {
+        for (int isa = 1; isa < NISA; isa++) {
             if (!sdk_isa_runs(isa)) continue;
             for (int threads = 1; threads <= 2; threads++) {
                 if (sdk_linear_ex(type, w, n, nblk, k, x, width, m, got, n, pre, nw, 0.5f, b, r, n, isa, threads) != 0)

@@ -6,13 +6,14 @@ Which instruction-set path runs is decided once per process: every path this bui
 CPU runs (cpuid + xgetbv, in C) is checked bit for bit against the scalar reference on random
 and extreme inputs (`selfcheck`); of those that pass, the widest runs unless a narrower one
 was clearly faster on a timed product (`chosen_isa`).
-SPECDECODE_ISA=ref|avx2|avxvnni|avx512vnni forces one (an error if it cannot run or fails the
+SPECDECODE_ISA=ref|avx2|avxvnni|avx512vnni|amx forces one (an error if it cannot run or fails the
 check). Without a compiler or with a failed build, `available()` is False with one line on
 stderr, and the formats that need the kernel are not offered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -28,9 +29,9 @@ from ..paths import cpu_name
 from .blocks import CODE, BlockWeight, quantize_q4_k, quantize_q8_0
 from .build import BuildError, built_library
 
-ISAS = ("ref", "avx2", "avxvnni", "avx512vnni")  # sdk.h's SDK_ISA_* order, narrow to wide
+ISAS = ("ref", "avx2", "avxvnni", "avx512vnni", "amx")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 8
+ABI = 9
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "BlockWeight",
     "PackedWeight",
     "available",
+    "amx_rows",
+    "amx_rows_forced",
     "chosen_isa",
     "prefetch_blocks",
     "prefetch_choice",
@@ -135,6 +138,13 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_layers.argtypes = [P, i, P, f, P, P, i, i, P, P, P, P, i, P, P, L, L, L, L, L, L, L, L, P, i,
                                P, P, i, i, i, i, i, i, f, i, i]  # fmt: skip
     lib.sdk_layers.restype = ctypes.c_int
+    try:  # the AMX path's setter (absent when the compiler could not build sdk_amx.c)
+        lib.sdk_set_amx_rows.argtypes = [i, i]
+        lib.sdk_set_amx_rows.restype = None
+        lib.sdk_get_amx_rows.argtypes = [i]
+        lib.sdk_get_amx_rows.restype = ctypes.c_int
+    except AttributeError:
+        pass
     return lib
 
 
@@ -220,6 +230,7 @@ def _isa_index(isa: str | None) -> int:
     if isa is None:
         isa = chosen_isa()
         prefetch_blocks()
+        amx_rows()
     return ISAS.index(isa)
 
 
@@ -614,13 +625,16 @@ def _checked(isa: str) -> bool:
         return False
     gen = np.random.default_rng(0)
     ref, i = ISAS.index("ref"), ISAS.index(isa)
-    for weight, x in _check_cases(gen):
-        packed = PackedWeight(weight)
-        want = _call(lib, x, packed, ref, 1)
-        for rows in (1, 2, 3, 5, 8, 9, 16, 64, 70):
-            for threads in (1, 2):
-                if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
-                    return False
+    # the AMX path with the tiles at every row count (its fewer rows otherwise take the AVX-512
+    # VNNI code, checked as its own path)
+    with amx_rows_forced(1) if isa == "amx" else contextlib.nullcontext():
+        for weight, x in _check_cases(gen):
+            packed = PackedWeight(weight)
+            want = _call(lib, x, packed, ref, 1)
+            for rows in (1, 2, 3, 5, 8, 9, 16, 64, 70):
+                for threads in (1, 2):
+                    if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
+                        return False
     for args in _attention_cases(gen):  # the attention's build for this path: the base build's bits
         if not torch.equal(attention(*args, threads=2, isa=isa), attention(*args, threads=1, isa="ref")):
             return False
@@ -798,6 +812,87 @@ def prefetch_choice() -> tuple[int, str]:
     return chosen
 
 
+AMX_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32)  # the row counts at which AMX and AVX-512 VNNI are timed
+NO_AMX = 65  # a threshold above any call's rows (SDK_ROWS = 64 a chunk): the tiles never run
+
+
+@functools.cache
+def amx_rows() -> tuple[int, int]:
+    """(Q4_K and blocks of 32, Q6_K): the fewest rows a product on the AMX path takes through the
+    tiles; fewer take the AVX-512 VNNI code (the same bits: both are exact integer sums). A tile
+    multiply costs the same for 1 to 8 rows, so few rows pay the tiles' set-up and stores for
+    nothing, and Q6_K (16 multiplies and 16 scales a super-block) pays from more rows than Q4_K.
+    SPECDECODE_AMX_ROWS=N or N,M (1..65; 65: never) forces them; else AMX_ROWS rows through timing
+    weights of each kind are timed both ways, interleaved three times, and for each the smallest
+    count from which the tiles are no slower at every larger count is kept (in the build's
+    choice.json per CPU, as chosen_isa). (0, 0) when the chosen path is not AMX."""
+    lib = _lib()
+    if lib is None or not hasattr(lib, "sdk_set_amx_rows") or chosen_isa() != "amx":
+        return 0, 0
+    forced = os.environ.get("SPECDECODE_AMX_ROWS")
+    if forced:
+        parts = forced.split(",")
+        if len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= NO_AMX for p in parts):
+            raise SpecDecodeError(
+                f"SPECDECODE_AMX_ROWS={forced!r}: give a number of rows from 1 to {NO_AMX} "
+                "(or two: Q4_K,Q6_K)"
+            )
+        chosen = (int(parts[0]), int(parts[-1]))
+    else:
+        key, record = f"{cpu_name()} amx rows", built_library().parent / "choice.json"
+        try:
+            known = json.loads(record.read_text())
+        except (OSError, ValueError):
+            known = {}
+        got = known.get(key)
+        valid = isinstance(got, list) and len(got) == 2
+        if valid and all(isinstance(r, int) and 1 <= r <= NO_AMX for r in got):
+            chosen = (got[0], got[1])
+        else:
+            chosen = _time_amx_rows(lib)
+            try:
+                tmp = record.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({**known, key: list(chosen)}))
+                tmp.replace(record)
+            except OSError:
+                pass
+    lib.sdk_set_amx_rows(*chosen)
+    return chosen
+
+
+@contextlib.contextmanager
+def amx_rows_forced(rows: int):
+    """Within the block, products on the AMX path take the tiles from `rows` rows in every format
+    (1: always; NO_AMX: never), then the thresholds before (tests: every row count on the tiles)."""
+    lib = _lib()
+    if lib is None or not hasattr(lib, "sdk_set_amx_rows"):
+        yield
+        return
+    before = (lib.sdk_get_amx_rows(0), lib.sdk_get_amx_rows(1))
+    lib.sdk_set_amx_rows(rows, rows)
+    try:
+        yield
+    finally:
+        lib.sdk_set_amx_rows(*before)
+
+
+def _time_amx_rows(lib) -> tuple[int, int]:
+    chosen = []
+    for weights in (_timing_weights(), _timing_weights("q6_k")):
+        seconds = {(r, amx): float("inf") for r in AMX_ROWS for amx in (False, True)}
+        for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
+            for r, amx in seconds:
+                lib.sdk_set_amx_rows(*((1, 1) if amx else (NO_AMX, NO_AMX)))
+                seconds[r, amx] = min(seconds[r, amx], _timed("amx", weights, rows=(r,), repeats=1))
+        rows = NO_AMX
+        for r in reversed(AMX_ROWS):
+            if seconds[r, True] > seconds[r, False]:
+                break
+            rows = r
+        chosen.append(rows)
+    return chosen[0], chosen[1]
+
+
 def _time_prefetch(lib, isa: str) -> tuple[int, str]:
     """prefetch_choice's timing: every (distance, hint), interleaved three times, the fastest pass
     of each. The hint is non-temporal unless T0 is PREFETCH_CLEARLY faster: products alone time
@@ -834,11 +929,15 @@ def _timed(isa: str, weights: list[PackedWeight], rows: tuple[int, ...] = (1, 8)
     return best
 
 
-def _timing_weights() -> list[PackedWeight]:
+def _timing_weights(kind: str = "q4_k") -> list[PackedWeight]:
+    """Six distinct copies of a random 4096 x 4096 matrix of Q4_K (or Q6_K) blocks."""
     gen = np.random.default_rng(1)
-    raw = gen.integers(0, 256, (4096, 16, 144), dtype=np.uint8)
-    raw[..., 0:4] = np.array([0.01, 0.01], np.float16).view(np.uint8)  # small finite d, dmin
-    one = PackedWeight(BlockWeight("q4_k", raw.reshape(4096, -1), 4096))
+    if kind == "q6_k":
+        one = PackedWeight(_q6_k_of(np.zeros((4096, 4096), np.float32), gen))
+    else:
+        raw = gen.integers(0, 256, (4096, 16, 144), dtype=np.uint8)
+        raw[..., 0:4] = np.array([0.01, 0.01], np.float16).view(np.uint8)  # small finite d, dmin
+        one = PackedWeight(BlockWeight("q4_k", raw.reshape(4096, -1), 4096))
     copies = []
     for _ in range(6):  # distinct buffers: each pass reads them from memory
         w = PackedWeight.__new__(PackedWeight)

@@ -35,6 +35,9 @@ UNITS = {
     "sdk_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "sdk_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "sdk_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+    # the AMX path (its few-row calls take sdk_avx512vnni.c's code, hence the same flags and more)
+    "sdk_amx.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile",
+                  "-mamx-int8"],
 }
 REQUIRED = ("sdk_core.c", "sdk_ref.c", "sdk_attn.c", "sdk_forward.c")
 LIB = "libspecdecode_kernel.so"

@@ -20,7 +20,7 @@
 #define SDK_ROWS 64  /* rows per chunk (a prefill is tiled over rows by this) */
 
 enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4, SDK_Q4_0 = 5 };
-enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_NISA = 4 };
+enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_ISA_AMX = 4, SDK_NISA = 5 };
 
 /* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0, Q4_0: a block of 32). Q4_K's
  * record (37 cache lines) holds everything, and so does Q6_K's (53 lines: its integers, then its
@@ -71,6 +71,7 @@ void sdk_tile_ref(int, const uint8_t *, int, const sdk_act *, int, int, float *,
 void sdk_tile_avx2(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
+void sdk_tile_amx(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 
 extern int sdk_pf_blocks; /* how many records ahead a product of two or more rows prefetches (the
                            * SIMD paths' Q4_K and Q6_K; one row: one record). Speed only, never

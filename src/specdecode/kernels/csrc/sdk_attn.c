@@ -39,7 +39,7 @@ int sdk_attention(const float *q, long qb, long qt, const float *keys, long kb, 
                   int T, int H, int Hkv, int D, int N, float scale, float *out, int nthreads, int isa) {
     attn_fn fn = attn_base_run;
     if (isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) fn = attn_avx2_run;
-    if (isa == SDK_ISA_AVX512VNNI) fn = attn_avx512_run;
+    if (isa == SDK_ISA_AVX512VNNI || isa == SDK_ISA_AMX) fn = attn_avx512_run;
     if (!fn || !sdk_isa_runs(isa)) return -2;
     return fn(q, qb, qt, keys, kb, kh, ks, values, vc, vb, vh, idx, n, B, T, H, Hkv, D, N, scale, out, nthreads);
 }
@@ -51,7 +51,7 @@ extern void attn_avx512_pre_row(int, const float *, int, const float *, float, f
 
 pre_fn sdk_pre_row_for(int isa) {
     if ((isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) && attn_avx2_pre_row) return attn_avx2_pre_row;
-    if (isa == SDK_ISA_AVX512VNNI && attn_avx512_pre_row) return attn_avx512_pre_row;
+    if ((isa == SDK_ISA_AVX512VNNI || isa == SDK_ISA_AMX) && attn_avx512_pre_row) return attn_avx512_pre_row;
     return attn_base_pre_row;
 }
 
@@ -75,7 +75,7 @@ int sdk_rope_attention(const float *qkv, long ldq, const float *cos, const float
                        int D, int N, float scale, float *qbuf, float *out, int nthreads, int isa) {
     rope_attend_fn fn = attn_base_rope_attend;
     if (isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) fn = attn_avx2_rope_attend;
-    if (isa == SDK_ISA_AVX512VNNI) fn = attn_avx512_rope_attend;
+    if (isa == SDK_ISA_AVX512VNNI || isa == SDK_ISA_AMX) fn = attn_avx512_rope_attend;
     if (!fn || !sdk_isa_runs(isa)) return -2;
     return fn(qkv, ldq, cos, sin, cb, ct, keys, kb, kh, ks, values, vc, vb, vh, slots, cap, idx, n, B, T, H, Hkv, D, N,
               scale, qbuf, out, nthreads);
@@ -97,7 +97,7 @@ int sdk_float_linear(const float *x, long ldx, int m, int pre, const float *pre_
                      int isa, int nthreads) {
     flin_fn fn = attn_base_float_linear;
     if (isa == SDK_ISA_AVX2 || isa == SDK_ISA_AVXVNNI) fn = attn_avx2_float_linear;
-    if (isa == SDK_ISA_AVX512VNNI) fn = attn_avx512_float_linear;
+    if (isa == SDK_ISA_AVX512VNNI || isa == SDK_ISA_AMX) fn = attn_avx512_float_linear;
     if (!fn || !sdk_isa_runs(isa)) return -2;
     return fn(x, ldx, m, pre, pre_w, eps, w, wt, ldw, n, k, bias, res, ldr, y, ldy, nthreads);
 }

@@ -4,6 +4,8 @@
 #include <cpuid.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "sdk.h"
 
@@ -18,8 +20,11 @@ extern void sdk_tile_avxvnni(int, const uint8_t *, int, const sdk_act *, int, in
     __attribute__((weak));
 extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
+extern void sdk_tile_amx(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
+    __attribute__((weak));
+extern void sdk_amx_release(void) __attribute__((weak));
 
-int sdk_abi_version(void) { return 8; }
+int sdk_abi_version(void) { return 9; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
@@ -52,8 +57,21 @@ static int cpu_runs(int isa) {
         if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return 0;
         return (a1 >> 4) & 1;
     }
-    if (isa == SDK_ISA_AVX512VNNI)
-        return avx512f && avx512bw && avx512vl && avx512vnni && (xcr0 & 0xe0) == 0xe0;
+    int avx512 = avx512f && avx512bw && avx512vl && avx512vnni && (xcr0 & 0xe0) == 0xe0;
+    if (isa == SDK_ISA_AVX512VNNI) return avx512;
+    if (isa == SDK_ISA_AMX) {
+        /* AMX-TILE and AMX-INT8 (cpuid 7.0 edx bits 24, 25), the OS's consent to the tile data
+         * state (Linux asks a process to request it: arch_prctl ARCH_REQ_XCOMP_PERM, feature 18),
+         * and XCR0's tile bits (17, 18) */
+        int amx = ((d >> 24) & 1) && ((d >> 25) & 1);
+        if (!avx512 || !amx) return 0;
+#ifdef SYS_arch_prctl
+        if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
+#else
+        return 0;
+#endif
+        return (xgetbv0() & 0x60000) == 0x60000;
+    }
     return 0;
 }
 
@@ -63,6 +81,7 @@ static sdk_tile_fn path(int isa) {
     case SDK_ISA_AVX2: return sdk_tile_avx2;
     case SDK_ISA_AVXVNNI: return sdk_tile_avxvnni;
     case SDK_ISA_AVX512VNNI: return sdk_tile_avx512vnni;
+    case SDK_ISA_AMX: return sdk_tile_avx512vnni ? sdk_tile_amx : 0;
     default: return 0;
     }
 }
@@ -111,11 +130,14 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
     if (ldx < (pre == 2 ? 2L * k : (long)k)) return -1;
     if (!sdk_isa_runs(isa)) return -2;
     int kp = ((k + SDK_QK - 1) / SDK_QK) * SDK_QK;
-    if ((size_t)m > t_rows_cap || (size_t)kp > t_kp_cap) {
-        size_t rows = (size_t)m > t_rows_cap ? (size_t)m : t_rows_cap;
+    /* 16 rows more than the call's (the AMX path's last tile reads up to 3 rows past them; their
+     * sums are not used) */
+    size_t want = (size_t)m + 16;
+    if (want > t_rows_cap || (size_t)kp > t_kp_cap) {
+        size_t rows = want > t_rows_cap ? want : t_rows_cap;
         size_t cols = (size_t)kp > t_kp_cap ? (size_t)kp : t_kp_cap;
         free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw);
-        t_xq = malloc(rows * cols);
+        t_xq = calloc(rows, cols);
         t_xa = malloc(rows * (cols / SDK_QK) * sizeof(float));
         t_xs = malloc(rows * (cols / 16) * sizeof(int32_t));
         t_xp = malloc(rows * (cols / 64) * sizeof(int32_t));
@@ -195,7 +217,9 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > tiles) nthreads = tiles;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         uint8_t scratch[16384] __attribute__((aligned(64)));
         float acc[SDK_ROWS * SDK_TILE] __attribute__((aligned(64)));
@@ -219,6 +243,8 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
                 }
             }
         }
+    }
+    if (isa == SDK_ISA_AMX) sdk_amx_release(); /* this thread's tile state, set by its tiles */
     }
     return 0;
 }

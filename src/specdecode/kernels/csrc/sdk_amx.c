@@ -1,0 +1,278 @@
+/* AMX-int8 path (Intel Xeon from Sapphire Rapids): one tile multiply (tdpbsud: signed activation
+ * codes x unsigned weight values, int32 sums) takes up to 16 rows x 16 columns x 64 inputs, in
+ * about the time of 8 AVX-512 dot products. A weight record is decoded once into a scratch buffer
+ * in the tile layout (4 inputs x 16 columns a 64-byte row: the layout the VNNI path keeps in its
+ * registers) and multiplied into every row of the call, 16 rows a tile; the sums of each sub-block
+ * (or block) leave the tile as int32 and take the VNNI path's integer epilogue (sub-block scales,
+ * minimums, offsets) and its float epilogue, in the same order. The integer sums are exact, so the
+ * bits are the reference's whatever the row count.
+ *
+ * A tile multiply costs the same for 1..8 rows and about 1.7x that for 16 (measured on the AMX
+ * Xeon); calls of fewer than sdk_amx_min_rows rows take the AVX-512 VNNI path (the same bits;
+ * kernels.amx_rows times where AMX starts to pay). The tiles' shape is set once per thread and
+ * product (ldtilecfg, ~130 cycles) and released at the product's end (sdk_amx_release). */
+#include <immintrin.h>
+#include <string.h>
+
+#include "sdk.h"
+
+/* the thresholds: [0] Q4_K and the blocks of 32, [1] Q6_K (16 tile multiplies a super-block
+ * against Q4_K's 8, and twice the integer epilogue: the tiles pay from more rows). Set from a
+ * timing (kernels.amx_rows), read back by the tests that force them */
+static int sdk_amx_min_rows[2] = {8, 16};
+
+static int clamp_rows(int rows) { return rows < 1 ? 1 : rows > SDK_ROWS + 1 ? SDK_ROWS + 1 : rows; }
+void sdk_set_amx_rows(int rows, int rows_q6k) {
+    sdk_amx_min_rows[0] = clamp_rows(rows);
+    sdk_amx_min_rows[1] = clamp_rows(rows_q6k);
+}
+int sdk_get_amx_rows(int q6k) { return sdk_amx_min_rows[q6k != 0]; }
+
+#define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
+#define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
+#define SDK_PF_SMALL(rec) (sdk_pf_blocks == 1 ? 4L * (rec) : 8L * sdk_pf_blocks * (rec))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+static __thread int t_cfg; /* the shape this thread's tiles hold (0: none) */
+
+/* two sets of (A, B, C) tiles, tmm0-2 and tmm3-5: rows x kb activation bytes, kb / 4 rows of 64
+ * weight bytes, rows x 16 int32 sums */
+static void configure(int kb, int rows) {
+    const int key = kb * 64 + rows;
+    if (t_cfg == key) return;
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int s = 0; s < 2; s++) {
+        c.rows[3 * s] = (uint8_t)rows;
+        c.colsb[3 * s] = (uint16_t)kb;
+        c.rows[3 * s + 1] = (uint8_t)(kb / 4);
+        c.colsb[3 * s + 1] = 64;
+        c.rows[3 * s + 2] = (uint8_t)rows;
+        c.colsb[3 * s + 2] = 64;
+    }
+    _tile_loadconfig(&c);
+    t_cfg = key;
+}
+
+/* the end of a product on this thread: the tile state goes (the OS then saves none of it) */
+void sdk_amx_release(void) {
+    if (t_cfg) {
+        _tile_release();
+        t_cfg = 0;
+    }
+}
+
+/* n units: unit u multiplies the activation bytes at a + u * astep (lda apart, rows of the
+ * configured shape) by the weight rows at b + u * bstep; its int32 sums go to c + u * 256 (16 per
+ * row). Units alternate between the two tile sets so one's store overlaps the next's multiply. */
+static inline void units(int n, const int8_t *a, int astep, long lda, const uint8_t *b, int bstep, int32_t *c) {
+    int u = 0;
+    for (; u + 1 < n; u += 2) {
+        _tile_loadd(0, a + (long)u * astep, lda);
+        _tile_loadd(1, b + (long)u * bstep, 64);
+        _tile_zero(2);
+        _tile_loadd(3, a + (long)(u + 1) * astep, lda);
+        _tile_loadd(4, b + (long)(u + 1) * bstep, 64);
+        _tile_zero(5);
+        _tile_dpbsud(2, 0, 1);
+        _tile_dpbsud(5, 3, 4);
+        _tile_stored(2, c + u * 256, 64);
+        _tile_stored(5, c + (u + 1) * 256, 64);
+    }
+    if (u < n) {
+        _tile_loadd(0, a + (long)u * astep, lda);
+        _tile_loadd(1, b + (long)u * bstep, 64);
+        _tile_zero(2);
+        _tile_dpbsud(2, 0, 1);
+        _tile_stored(2, c + u * 256, 64);
+    }
+}
+
+static inline __m512i fault_lane(void) { return _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0); }
+static inline __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512 h2f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512i dpw(__m512i acc, __m512i w, const int32_t *p) {
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(*p));
+}
+
+/* sdk_avx512vnni.c's store_row: y = fma(isum, d * a, y), then y = fma(-imin, dmin * a, y) */
+static inline void store_row(float *acc, __m512i isum, __m512 d, const __m512i *imin, __m512 dmin, float a) {
+    __m512 av = _mm512_set1_ps(a), y = _mm512_loadu_ps(acc);
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, av), y);
+    if (imin) y = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(*imin), _mm512_mul_ps(dmin, av), y);
+    _mm512_storeu_ps(acc, y);
+}
+
+/* Q4_K: 8 units of 32 inputs a super-block (A: 32 bytes a row, B: 8 rows) */
+static void q4k(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch, float *acc,
+                uint8_t *wb, int32_t *cb) {
+    const int kp = a->kp;
+    const long pf = (long)sdk_pf_blocks * SDK_Q4K_REC;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *rec = tile + (size_t)b * SDK_Q4K_REC;
+        for (int j = 0; j < 8; j++) {
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512(rec + (j * 4 + i) * 64);
+                PF(rec + pf + (j * 4 + i) * 64 + (j == 7 ? 256 : 0));
+                _mm512_store_si512(wb + j * 512 + i * 64, _mm512_and_si512(v, low4));
+                _mm512_store_si512(wb + j * 512 + (i + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            }
+        }
+        __m512i sc[8], mn[4];
+        for (int j = 0; j < 8; j++) sc[j] = u8x16(rec + 2048 + j * 16);
+        for (int q = 0; q < 4; q++)
+            mn[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 2176 + q * 32)));
+        const __m512 d = h2f16(rec + 2304), dmin = h2f16(rec + 2336);
+        for (int c0 = m0; c0 < m1; c0 += ch) {
+            const int rows = m1 - c0 < ch ? m1 - c0 : ch;
+            units(8, a->xq + (size_t)c0 * kp + b * 256, 32, kp, wb, 512, cb);
+            for (int r = 0; r < rows; r++) {
+                const int m = c0 + r;
+                __m512i isum = _mm512_setzero_si512(), imin = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j++)
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_load_si512(cb + j * 256 + r * 16), sc[j]));
+                for (int q = 0; q < 4; q++) imin = dpw(imin, mn[q], a->xp + (size_t)m * (kp / 64) + b * 4 + q);
+                if (sdk_fault && b == 0 && m == 0) isum = _mm512_add_epi32(isum, fault_lane());
+                store_row(acc + (m - m0) * 16, isum, d, &imin, dmin, a->xa[(size_t)m * (kp / SDK_QK) + b]);
+            }
+        }
+    }
+}
+
+/* Q6_K: 16 units of 16 inputs a super-block (A: 16 bytes a row, B: 4 rows), each with its int8 scale */
+static void q6k(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch, float *acc,
+                uint8_t *wb, int32_t *cb) {
+    const int kp = a->kp;
+    const long pf = (long)sdk_pf_blocks * SDK_Q6K_REC;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *rec = tile + (size_t)b * SDK_Q6K_REC, *scales = rec + SDK_Q6K_INTS;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *chunk = rec + j * 384;
+            __m512i h0 = _mm512_loadu_si512(chunk + 256), h1 = _mm512_loadu_si512(chunk + 320);
+            PF2(chunk + pf + 256);
+            PF2(chunk + pf + 320);
+            if (j < 5) PF2(scales + SDK_Q6K_REC + j * 64);
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512(chunk + i * 64);
+                PF2(chunk + pf + i * 64);
+                __m512i b0 = i < 2 ? _mm512_slli_epi16(h0, 4 - 2 * i) : (i == 2 ? h0 : _mm512_srli_epi16(h0, 2));
+                __m512i b1 = i < 2 ? _mm512_slli_epi16(h1, 4 - 2 * i) : (i == 2 ? h1 : _mm512_srli_epi16(h1, 2));
+                _mm512_store_si512(wb + j * 512 + i * 64,
+                                   _mm512_ternarylogic_epi32(v, _mm512_and_si512(b0, bits45), low4, 0xEC));
+                _mm512_store_si512(
+                    wb + j * 512 + (i + 4) * 64,
+                    _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(b1, bits45), low4, 0xEC));
+            }
+        }
+        __m512i pair[8], sch[16];
+        for (int j = 0; j < 8; j++) {
+            pair[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(scales + j * 32)));
+            sch[2 * j] = _mm512_srai_epi32(_mm512_slli_epi32(pair[j], 16), 16);
+            sch[2 * j + 1] = _mm512_srai_epi32(pair[j], 16);
+        }
+        const __m512 d = h2f16(scales + 256);
+        for (int c0 = m0; c0 < m1; c0 += ch) {
+            const int rows = m1 - c0 < ch ? m1 - c0 : ch;
+            units(16, a->xq + (size_t)c0 * kp + b * 256, 16, kp, wb, 256, cb);
+            for (int r = 0; r < rows; r++) {
+                const int m = c0 + r;
+                const int32_t *xw = a->xw + (size_t)m * (kp / 32) + b * 8;
+                __m512i isum = _mm512_setzero_si512(), off = _mm512_setzero_si512();
+                for (int u = 0; u < 16; u++)
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_load_si512(cb + u * 256 + r * 16), sch[u]));
+                for (int j = 0; j < 8; j++) off = dpw(off, pair[j], xw + j);
+                isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
+                if (sdk_fault && b == 0 && m == 0) isum = _mm512_add_epi32(isum, fault_lane());
+                store_row(acc + (m - m0) * 16, isum, d, 0, d, a->xa[(size_t)m * (kp / SDK_QK) + b]);
+            }
+        }
+    }
+}
+
+/* blocks of 32 (Q8_0, Q5_0, Q4_0), 8 at a time (one activation block): Q8_0's integers are the
+ * tile layout already (values q + 128), the others are decoded (q + 16, q + 8) */
+static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch,
+                     float *acc, uint8_t *wb, int32_t *cb) {
+    const int kp = a->kp, n16 = kp / 16;
+    const long ints = type == SDK_Q8_0 ? SDK_Q8_INTS : type == SDK_Q5_0 ? SDK_Q5_INTS : SDK_Q4_INTS;
+    const long recb = type == SDK_Q8_0 ? SDK_Q8_REC : type == SDK_Q5_0 ? SDK_Q5_REC : SDK_Q4_REC;
+    const int lines = type == SDK_Q8_0 ? 9 : type == SDK_Q5_0 ? 6 : 5, off = type == SDK_Q8_0 ? 128 : type == SDK_Q5_0 ? 16 : 8;
+    const long pf = SDK_PF_SMALL(recb);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    for (int g0 = 0; g0 < nblk; g0 += 8) {
+        const int nb = nblk - g0 < 8 ? nblk - g0 : 8;
+        for (int e = 0; e < nb; e++) {
+            const int b = g0 + e;
+            for (int i = 0; i < lines; i++) PF(tile + pf + (long)b * recb + i * 64);
+            if (type == SDK_Q8_0) continue;
+            const uint8_t *rec = tile + (size_t)b * ints;
+            const __m512i h = type == SDK_Q5_0 ? _mm512_loadu_si512(rec + 256) : _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512(rec + i * 64), lo, hi;
+                if (type == SDK_Q5_0) {
+                    __m512i hb = _mm512_slli_epi16(h, 4 - i), hj = i == 0 ? h : _mm512_srli_epi16(h, i);
+                    lo = _mm512_ternarylogic_epi32(v, _mm512_and_si512(hb, bit4), low4, 0xEC);
+                    hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(hj, bit4), low4, 0xEC);
+                } else {
+                    lo = _mm512_and_si512(v, low4);
+                    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+                _mm512_store_si512(wb + e * 512 + i * 64, lo);
+                _mm512_store_si512(wb + e * 512 + (i + 4) * 64, hi);
+            }
+        }
+        const uint8_t *wts = type == SDK_Q8_0 ? tile + (size_t)g0 * SDK_Q8_INTS : wb;
+        const uint8_t *scales = tile + (size_t)nblk * ints + (size_t)g0 * SDK_Q8_SCALES;
+        for (int c0 = m0; c0 < m1; c0 += ch) {
+            const int rows = m1 - c0 < ch ? m1 - c0 : ch;
+            units(nb, a->xq + (size_t)c0 * kp + g0 * 32, 32, kp, wts, 512, cb);
+            for (int r = 0; r < rows; r++) {
+                const int m = c0 + r;
+                const __m512 av = _mm512_set1_ps(a->xa[(size_t)m * (kp / SDK_QK) + g0 / 8]);
+                const int32_t *xs = a->xs + (size_t)m * n16 + g0 * 2;
+                float *y = acc + (m - m0) * 16;
+                __m512 yv = _mm512_loadu_ps(y);
+                for (int e = 0; e < nb; e++) {
+                    __m512i u = _mm512_sub_epi32(_mm512_load_si512(cb + e * 256 + r * 16),
+                                                 _mm512_set1_epi32(off * (xs[2 * e] + xs[2 * e + 1])));
+                    if (sdk_fault && g0 + e == 0 && m == 0) u = _mm512_add_epi32(u, fault_lane());
+                    const __m512 d = h2f16(scales + e * SDK_Q8_SCALES);
+                    yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(d, av), yv);
+                }
+                _mm512_storeu_ps(y, yv);
+            }
+        }
+    }
+}
+
+void sdk_tile_amx(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
+                  uint8_t *scratch) {
+    const int rows = m1 - m0;
+    if (rows < sdk_amx_min_rows[type == SDK_Q6K]) {
+        sdk_tile_avx512vnni(type, rec, nblk, a, m0, m1, acc, scratch);
+        return;
+    }
+    /* the decoded weights (one super-block, or 8 blocks of 32: 4 KiB) in scratch; the tiles'
+     * sums (16 units x 16 rows x 16 columns) here */
+    int32_t cb[16 * 256] __attribute__((aligned(64)));
+    /* more than 16 rows: the fewest tiles of equal height (20 rows: two of 10, not 16 + 4, since
+     * a multiply of up to 8 rows costs the same), the last one reading up to 3 rows of the
+     * quantized rows' padding (sdk_quantize keeps 16 more; what lands in those sums is not used) */
+    const int ch = (rows + (rows + 15) / 16 - 1) / ((rows + 15) / 16);
+    configure(type == SDK_Q6K ? 16 : 32, ch);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + r * 16, _mm512_setzero_ps());
+    if (type == SDK_Q4K)
+        q4k(rec, nblk, a, m0, m1, ch, acc, scratch, cb);
+    else if (type == SDK_Q6K)
+        q6k(rec, nblk, a, m0, m1, ch, acc, scratch, cb);
+    else
+        blocks32(type, rec, nblk, a, m0, m1, ch, acc, scratch, cb);
+}
