@@ -86,16 +86,21 @@ def _progress(i: int, n: int, what: str) -> None:
 
 def kernel_line() -> str:
     """What the kq rows ran on: the kernel's path and the paths that passed its self-check."""
-    from ..kernels import available, chosen_isa, prefetch_choice, runnable_isas, selfcheck
+    from ..kernels import NO_AMX, amx_rows, available, chosen_isa, prefetch_choice, runnable_isas, selfcheck
 
     if not available():
         return "kq: specdecode's kernel is not built here (no C compiler?); its rows are left out"
     checked = [isa for isa in runnable_isas() if selfcheck(isa)]
     runs = ", ".join(runnable_isas())
+    tiles = ""
+    if chosen_isa() == "amx":
+        q4, q6 = ("never" if r >= NO_AMX else f"from {r} rows" for r in amx_rows())
+        tiles = f"; AMX tiles: Q4_K and blocks of 32 {q4}, Q6_K {q6}, fewer rows on AVX-512 VNNI, timed"
     return (
         f"kq: specdecode's kernel on the {chosen_isa()} path (this CPU runs {runs}; "
         f"bit-exact against the reference: {', '.join(checked)}; SPECDECODE_ISA=... forces one; "
-        "products of several rows prefetch {} record(s) ahead, hint {}, timed)".format(*prefetch_choice())
+        "products of several rows prefetch {} record(s) ahead, hint {}, timed".format(*prefetch_choice())
+        + f"{tiles})"
     )
 
 

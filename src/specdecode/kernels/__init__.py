@@ -36,6 +36,7 @@ PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
     "ISAS",
+    "NO_AMX",
     "BlockWeight",
     "PackedWeight",
     "available",
