@@ -49,10 +49,13 @@ def weights(rng: np.random.Generator, n: int, k: int) -> list[BlockWeight]:
     ]
 
 
-def tiles_at_every_row_count(isa: str):
+def tile_modes(isa: str) -> list:
     """The AMX path with its tiles at every row count (its fewer rows otherwise take the AVX-512
-    VNNI code, tested as its own path); other paths as they are."""
-    return kernels.amx_rows_forced(1) if isa == "amx" else contextlib.nullcontext()
+    VNNI code, tested as its own path), Q4_K without and with its scales folded into the weights;
+    other paths as they are."""
+    if isa != "amx":
+        return [contextlib.nullcontext()]
+    return [kernels.amx_rows_forced(1, kernels.NO_AMX), kernels.amx_rows_forced(1, 1)]
 
 
 def rows(rng: np.random.Generator, m: int, k: int) -> torch.Tensor:
@@ -76,11 +79,12 @@ def test_every_path_gives_the_scalar_references_bits(isa, shape):
     for w in weights(rng, n, k):
         packed = PackedWeight(w)
         want = kernels.linear(x, packed, isa="ref", threads=1)
-        with tiles_at_every_row_count(isa):
-            for m in ROWS:
-                for threads in (1, 2):
-                    got = kernels.linear(x[:m], packed, isa=isa, threads=threads)
-                    assert torch.equal(got, want[:m]), (w.kind, m, threads)
+        for mode in tile_modes(isa):
+            with mode:
+                for m in ROWS:
+                    for threads in (1, 2):
+                        got = kernels.linear(x[:m], packed, isa=isa, threads=threads)
+                        assert torch.equal(got, want[:m]), (w.kind, m, threads)
 
 
 @pytest.mark.parametrize("pre", ["rms_norm", "swiglu"])
@@ -293,14 +297,15 @@ def test_the_one_off_fault_reaches_every_format_and_row_regime_of_a_path(isa):
         packed = PackedWeight(w)
         for m in (1, 2, 3, 4, 5, 8, 9, 17):
             want = kernels.linear(x[:m], packed, isa="ref", threads=1)
-            with tiles_at_every_row_count(isa):
-                assert torch.equal(kernels.linear(x[:m], packed, isa=isa, threads=1), want), (w.kind, m)
-                kernels.set_fault(True)
-                try:
-                    got = kernels.linear(x[:m], packed, isa=isa, threads=1)
-                    assert not torch.equal(got, want), (w.kind, m)
-                finally:
-                    kernels.set_fault(False)
+            for mode in tile_modes(isa):
+                with mode:
+                    assert torch.equal(kernels.linear(x[:m], packed, isa=isa, threads=1), want), (w.kind, m)
+                    kernels.set_fault(True)
+                    try:
+                        got = kernels.linear(x[:m], packed, isa=isa, threads=1)
+                        assert not torch.equal(got, want), (w.kind, m)
+                    finally:
+                        kernels.set_fault(False)
 
 
 def test_a_rows_output_is_the_same_whatever_the_row_count_and_its_place():
@@ -984,44 +989,51 @@ def test_the_prefetch_hint_is_the_faster_and_the_distance_one_record_unless_anot
 
 
 def test_the_amx_tiles_start_at_the_fewest_rows_from_which_they_are_never_slower(monkeypatch, tmp_path):
-    """The AMX path's thresholds (Q4_K and blocks of 32; Q6_K): below one a product takes the
-    AVX-512 VNNI code (the same bits), from it the tiles; the timing keeps, per kind, the smallest
-    count from which the tiles are no slower at every larger count, records them and sets them;
-    SPECDECODE_AMX_ROWS forces them."""
+    """The AMX path's thresholds (Q4_K and blocks of 32; Q6_K; Q4_K's folded scales): below one a
+    product takes the AVX-512 VNNI code or the unfolded tiles (the same bits), from it the tiles
+    or the fold; the timing keeps, per choice, the smallest count from which it is no slower at
+    every larger count, records them and sets them; SPECDECODE_AMX_ROWS forces them."""
+    no = kernels.NO_AMX
 
     class Lib:
-        rows = (8, 16)
+        rows = (8, 16, 24)
 
-        def sdk_set_amx_rows(self, rows, rows_q6k):
-            self.rows = (rows, rows_q6k)
+        def sdk_set_amx_rows(self, *rows):
+            self.rows = rows
 
     lib = Lib()
     monkeypatch.delenv("SPECDECODE_AMX_ROWS", raising=False)
     monkeypatch.setattr(kernels, "_lib", lambda: lib)
     monkeypatch.setattr(kernels, "chosen_isa", lambda: "amx")
     monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kind)  # the timing sees the kind
-    vnni = {r: 1.0 + r / 10 for r in kernels.AMX_ROWS}
-    q6k_later = {r: 1.0 + r / 10 + (0.5 if r < 16 else -0.1) for r in kernels.AMX_ROWS}
-    for q4k, want in (
-        ({r: 1.3 for r in kernels.AMX_ROWS}, (3, 16)),  # slower at 2 rows only
-        ({**{r: 1.0 for r in kernels.AMX_ROWS}, 6: 2.0}, (8, 16)),  # a slower count above the first win
-        ({r: 9.0 for r in kernels.AMX_ROWS}, (kernels.NO_AMX, 16)),  # never faster: never the tiles
-        ({r: 0.5 for r in kernels.AMX_ROWS}, (2, 16)),
+    base = {r: 1.0 + r / 10 for r in kernels.AMX_ROWS}  # the VNNI code
+    q6k_tiles = {r: base[r] + (0.5 if r < 16 else -0.1) for r in kernels.AMX_ROWS}
+    for q4k_tiles, want in (
+        ({r: 1.3 for r in kernels.AMX_ROWS}, (3, 16, 32)),  # slower at 2 rows only
+        ({**{r: 1.0 for r in kernels.AMX_ROWS}, 6: 2.0}, (8, 16, 32)),  # a slower count above the first win
+        ({r: 99.0 for r in kernels.AMX_ROWS}, (no, 16, 32)),  # never faster: never the tiles
+        ({r: 0.5 for r in kernels.AMX_ROWS}, (2, 16, 32)),
     ):
         build = tmp_path / str(len(list(tmp_path.iterdir())))
         build.mkdir()
         monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
+        # the fold against the unfolded tiles: slower below 32 rows, faster from 32
+        fold = {r: q4k_tiles[r] + (0.2 if r < 32 else -0.2) for r in kernels.AMX_ROWS}
 
-        def timed(isa, kind, rows, q4k=q4k, **k):  # the timing sets (1, 1): tiles always, else never
-            tiles = lib.rows == (1, 1)
-            amx = q4k if kind == "q4_k" else q6k_later
-            return (amx if tiles else vnni)[rows[0]]
+        def timed(isa, kind, rows, q4k_tiles=q4k_tiles, fold=fold, **k):  # per the thresholds set
+            r = rows[0]
+            if lib.rows == (no, no, no):
+                return base[r]
+            if lib.rows == (1, 1, 1):
+                return fold[r]
+            assert lib.rows == (1, 1, no)
+            return (q4k_tiles if kind == "q4_k" else q6k_tiles)[r]
 
         monkeypatch.setattr(kernels, "_timed", timed)
         kernels.amx_rows.cache_clear()
         try:
-            assert kernels.amx_rows() == want and lib.rows == want, q4k
-            lib.rows = (8, 16)  # a later process reads the record, sets it and times nothing
+            assert kernels.amx_rows() == want and lib.rows == want, q4k_tiles
+            lib.rows = (8, 16, 24)  # a later process reads the record, sets it and times nothing
             monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
             kernels.amx_rows.cache_clear()
             assert kernels.amx_rows() == want and lib.rows == want
@@ -1029,16 +1041,16 @@ def test_the_amx_tiles_start_at_the_fewest_rows_from_which_they_are_never_slower
             kernels.amx_rows.cache_clear()
     try:
         monkeypatch.setenv("SPECDECODE_AMX_ROWS", "6")
-        assert kernels.amx_rows() == (6, 6) and lib.rows == (6, 6)
+        assert kernels.amx_rows() == (6, 6, 6) and lib.rows == (6, 6, 6)
         kernels.amx_rows.cache_clear()
-        monkeypatch.setenv("SPECDECODE_AMX_ROWS", "6,20")
-        assert kernels.amx_rows() == (6, 20) and lib.rows == (6, 20)
+        monkeypatch.setenv("SPECDECODE_AMX_ROWS", "6,20,30")
+        assert kernels.amx_rows() == (6, 20, 30) and lib.rows == (6, 20, 30)
         kernels.amx_rows.cache_clear()
         monkeypatch.setenv("SPECDECODE_AMX_ROWS", "0")
         with pytest.raises(SpecDecodeError, match="from 1 to 65"):
             kernels.amx_rows()
         kernels.amx_rows.cache_clear()
         monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")  # not the AMX path: no threshold
-        assert kernels.amx_rows() == (0, 0)
+        assert kernels.amx_rows() == (0, 0, 0)
     finally:
         kernels.amx_rows.cache_clear()

@@ -20,9 +20,9 @@ int sdk_float_linear(const float *x, long ldx, int m, int pre, const float *pre_
                      long ldw, int n, int k, const float *bias, const float *res, long ldr, float *y, long ldy,
                      int isa, int nthreads);
 int sdk_isa_runs(int isa);
-/* sdk.h's SDK_NISA; the AMX path's threshold set to one row: its tiles at every row count */
+/* sdk.h's SDK_NISA; the AMX path's tiles at every row count, Q4_K's folded scales from 33 rows (both ways run) */
 #define NISA 5
-extern void sdk_set_amx_rows(int, int) __attribute__((weak));
+extern void sdk_set_amx_rows(int, int, int) __attribute__((weak));
 
 static float *filled(size_t count, unsigned seed) {
     float *p = malloc(sizeof(float) * count);
@@ -118,7 +118,7 @@ static int float_cases(void) {
 int main(int argc, char **argv) {
     FILE *f = fopen(argv[1], "rb");
     if (!f) return 2;
-    if (sdk_set_amx_rows) sdk_set_amx_rows(1, 1);
+    if (sdk_set_amx_rows) sdk_set_amx_rows(1, 1, 33);
     int head[7], cases = 0, paths = 0;
     while (fread(head, sizeof(int), 7, f) == 7) {
         int type = head[0], n = head[1], nblk = head[2], k = head[3], m = head[4], wbytes = head[5], pre = head[6];

@@ -94,8 +94,9 @@ def kernel_line() -> str:
     runs = ", ".join(runnable_isas())
     tiles = ""
     if chosen_isa() == "amx":
-        q4, q6 = ("never" if r >= NO_AMX else f"from {r} rows" for r in amx_rows())
-        tiles = f"; AMX tiles: Q4_K and blocks of 32 {q4}, Q6_K {q6}, fewer rows on AVX-512 VNNI, timed"
+        q4, q6, fold = ("never" if r >= NO_AMX else f"from {r} rows" for r in amx_rows())
+        tiles = (f"; AMX tiles: Q4_K and blocks of 32 {q4}, Q6_K {q6}, fewer rows on AVX-512 VNNI; "
+                 f"Q4_K's scales folded into its weights {fold}; timed")
     return (
         f"kq: specdecode's kernel on the {chosen_isa()} path (this CPU runs {runs}; "
         f"bit-exact against the reference: {', '.join(checked)}; SPECDECODE_ISA=... forces one; "

@@ -140,7 +140,7 @@ def _lib() -> ctypes.CDLL | None:
                                P, P, i, i, i, i, i, i, f, i, i]  # fmt: skip
     lib.sdk_layers.restype = ctypes.c_int
     try:  # the AMX path's setter (absent when the compiler could not build sdk_amx.c)
-        lib.sdk_set_amx_rows.argtypes = [i, i]
+        lib.sdk_set_amx_rows.argtypes = [i, i, i]
         lib.sdk_set_amx_rows.restype = None
         lib.sdk_get_amx_rows.argtypes = [i]
         lib.sdk_get_amx_rows.restype = ctypes.c_int
@@ -627,15 +627,16 @@ def _checked(isa: str) -> bool:
     gen = np.random.default_rng(0)
     ref, i = ISAS.index("ref"), ISAS.index(isa)
     # the AMX path with the tiles at every row count (its fewer rows otherwise take the AVX-512
-    # VNNI code, checked as its own path)
-    with amx_rows_forced(1) if isa == "amx" else contextlib.nullcontext():
-        for weight, x in _check_cases(gen):
-            packed = PackedWeight(weight)
-            want = _call(lib, x, packed, ref, 1)
-            for rows in (1, 2, 3, 5, 8, 9, 16, 64, 70):
-                for threads in (1, 2):
-                    if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
-                        return False
+    # VNNI code, checked as its own path), Q4_K with and without its folded scales
+    for fold in (1, NO_AMX) if isa == "amx" else (None,):
+        with amx_rows_forced(1, fold) if isa == "amx" else contextlib.nullcontext():
+            for weight, x in _check_cases(gen):
+                packed = PackedWeight(weight)
+                want = _call(lib, x, packed, ref, 1)
+                for rows in (1, 2, 3, 5, 8, 9, 16, 64, 70):
+                    for threads in (1, 2):
+                        if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
+                            return False
     for args in _attention_cases(gen):  # the attention's build for this path: the base build's bits
         if not torch.equal(attention(*args, threads=2, isa=isa), attention(*args, threads=1, isa="ref")):
             return False
@@ -813,32 +814,36 @@ def prefetch_choice() -> tuple[int, str]:
     return chosen
 
 
-AMX_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32)  # the row counts at which AMX and AVX-512 VNNI are timed
+AMX_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48)  # the row counts at which the AMX choices are timed
 NO_AMX = 65  # a threshold above any call's rows (SDK_ROWS = 64 a chunk): the tiles never run
 
 
 @functools.cache
-def amx_rows() -> tuple[int, int]:
-    """(Q4_K and blocks of 32, Q6_K): the fewest rows a product on the AMX path takes through the
-    tiles; fewer take the AVX-512 VNNI code (the same bits: both are exact integer sums). A tile
-    multiply costs the same for 1 to 8 rows, so few rows pay the tiles' set-up and stores for
-    nothing, and Q6_K (16 multiplies and 16 scales a super-block) pays from more rows than Q4_K.
-    SPECDECODE_AMX_ROWS=N or N,M (1..65; 65: never) forces them; else AMX_ROWS rows through timing
-    weights of each kind are timed both ways, interleaved three times, and for each the smallest
-    count from which the tiles are no slower at every larger count is kept (in the build's
-    choice.json per CPU, as chosen_isa). (0, 0) when the chosen path is not AMX."""
+def amx_rows() -> tuple[int, int, int]:
+    """(Q4_K and blocks of 32, Q6_K, Q4_K folded): the fewest rows a product on the AMX path takes
+    through the tiles, per kind, and from how many Q4_K folds its sub-block scales into the
+    weights (csrc/sdk_amx.c q4k_fold: a split of every weight into two bytes, shared by the call's
+    rows, against stores and multiplies a row); fewer rows take the AVX-512 VNNI code, or the
+    tiles without the fold (the same bits: all are exact integer sums). A tile multiply costs the
+    same for 1 to 8 rows, so few rows pay the tiles' set-up and stores for nothing, and Q6_K (16
+    multiplies and 16 scales a super-block) pays from more rows than Q4_K.
+    SPECDECODE_AMX_ROWS=N, N,M or N,M,F (1..65; 65: never) forces them; else AMX_ROWS rows through
+    timing weights of each kind are timed both ways, interleaved three times, and for each the
+    smallest count from which the tiles (the fold) are no slower at every larger count is kept
+    (in the build's choice.json per CPU, as chosen_isa). (0, 0, 0) when the chosen path is not
+    AMX."""
     lib = _lib()
     if lib is None or not hasattr(lib, "sdk_set_amx_rows") or chosen_isa() != "amx":
-        return 0, 0
+        return 0, 0, 0
     forced = os.environ.get("SPECDECODE_AMX_ROWS")
     if forced:
         parts = forced.split(",")
-        if len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= NO_AMX for p in parts):
+        if len(parts) > 3 or not all(p.isdigit() and 1 <= int(p) <= NO_AMX for p in parts):
             raise SpecDecodeError(
                 f"SPECDECODE_AMX_ROWS={forced!r}: give a number of rows from 1 to {NO_AMX} "
-                "(or two: Q4_K,Q6_K)"
+                "(or three: Q4_K,Q6_K,Q4_K folded)"
             )
-        chosen = (int(parts[0]), int(parts[-1]))
+        chosen = tuple(int(p) for p in (parts + parts[-1:] * 2)[:3])
     else:
         key, record = f"{cpu_name()} amx rows", built_library().parent / "choice.json"
         try:
@@ -846,9 +851,9 @@ def amx_rows() -> tuple[int, int]:
         except (OSError, ValueError):
             known = {}
         got = known.get(key)
-        valid = isinstance(got, list) and len(got) == 2
+        valid = isinstance(got, list) and len(got) == 3
         if valid and all(isinstance(r, int) and 1 <= r <= NO_AMX for r in got):
-            chosen = (got[0], got[1])
+            chosen = tuple(got)
         else:
             chosen = _time_amx_rows(lib)
             try:
@@ -862,36 +867,51 @@ def amx_rows() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def amx_rows_forced(rows: int):
+def amx_rows_forced(rows: int, fold: int | None = None):
     """Within the block, products on the AMX path take the tiles from `rows` rows in every format
-    (1: always; NO_AMX: never), then the thresholds before (tests: every row count on the tiles)."""
+    (1: always; NO_AMX: never) and Q4_K's folded scales from `fold` rows (default: `rows`), then
+    the thresholds before (tests: every row count on the tiles, with and without the fold)."""
     lib = _lib()
     if lib is None or not hasattr(lib, "sdk_set_amx_rows"):
         yield
         return
-    before = (lib.sdk_get_amx_rows(0), lib.sdk_get_amx_rows(1))
-    lib.sdk_set_amx_rows(rows, rows)
+    before = tuple(lib.sdk_get_amx_rows(i) for i in range(3))
+    lib.sdk_set_amx_rows(rows, rows, rows if fold is None else fold)
     try:
         yield
     finally:
         lib.sdk_set_amx_rows(*before)
 
 
-def _time_amx_rows(lib) -> tuple[int, int]:
+def _from_rows(seconds: dict) -> int:
+    """The smallest of AMX_ROWS from which seconds[r, True] <= seconds[r, False] at every larger
+    count (NO_AMX: none)."""
+    rows = NO_AMX
+    for r in reversed(AMX_ROWS):
+        if seconds[r, True] > seconds[r, False]:
+            break
+        rows = r
+    return rows
+
+
+def _time_amx_rows(lib) -> tuple[int, int, int]:
+    q4k, q6k = _timing_weights(), _timing_weights("q6_k")
+    # (weights, thresholds with the choice off, with it on): the tiles for Q4_K, for Q6_K, then
+    # Q4_K's fold on the tiles
+    cases = (
+        (q4k, (NO_AMX, NO_AMX, NO_AMX), (1, 1, NO_AMX)),
+        (q6k, (NO_AMX, NO_AMX, NO_AMX), (1, 1, NO_AMX)),
+        (q4k, (1, 1, NO_AMX), (1, 1, 1)),
+    )
     chosen = []
-    for weights in (_timing_weights(), _timing_weights("q6_k")):
-        seconds = {(r, amx): float("inf") for r in AMX_ROWS for amx in (False, True)}
+    for weights, off, on in cases:
+        seconds = {(r, use): float("inf") for r in AMX_ROWS for use in (False, True)}
         for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
-            for r, amx in seconds:
-                lib.sdk_set_amx_rows(*((1, 1) if amx else (NO_AMX, NO_AMX)))
-                seconds[r, amx] = min(seconds[r, amx], _timed("amx", weights, rows=(r,), repeats=1))
-        rows = NO_AMX
-        for r in reversed(AMX_ROWS):
-            if seconds[r, True] > seconds[r, False]:
-                break
-            rows = r
-        chosen.append(rows)
-    return chosen[0], chosen[1]
+            for r, use in seconds:
+                lib.sdk_set_amx_rows(*(on if use else off))
+                seconds[r, use] = min(seconds[r, use], _timed("amx", weights, rows=(r,), repeats=1))
+        chosen.append(_from_rows(seconds))
+    return chosen[0], chosen[1], chosen[2]
 
 
 def _time_prefetch(lib, isa: str) -> tuple[int, str]:

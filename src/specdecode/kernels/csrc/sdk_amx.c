@@ -17,16 +17,18 @@
 #include "sdk.h"
 
 /* the thresholds: [0] Q4_K and the blocks of 32, [1] Q6_K (16 tile multiplies a super-block
- * against Q4_K's 8, and twice the integer epilogue: the tiles pay from more rows). Set from a
- * timing (kernels.amx_rows), read back by the tests that force them */
-static int sdk_amx_min_rows[2] = {8, 16};
+ * against Q4_K's 8, and twice the integer epilogue: the tiles pay from more rows), [2] Q4_K with
+ * its scales folded into the weights (q4k_fold). Set from a timing (kernels.amx_rows), read back
+ * by the tests that force them */
+static int sdk_amx_min_rows[3] = {8, 16, 24};
 
 static int clamp_rows(int rows) { return rows < 1 ? 1 : rows > SDK_ROWS + 1 ? SDK_ROWS + 1 : rows; }
-void sdk_set_amx_rows(int rows, int rows_q6k) {
+void sdk_set_amx_rows(int rows, int rows_q6k, int rows_fold) {
     sdk_amx_min_rows[0] = clamp_rows(rows);
     sdk_amx_min_rows[1] = clamp_rows(rows_q6k);
+    sdk_amx_min_rows[2] = clamp_rows(rows_fold);
 }
-int sdk_get_amx_rows(int q6k) { return sdk_amx_min_rows[q6k != 0]; }
+int sdk_get_amx_rows(int which) { return which >= 0 && which < 3 ? sdk_amx_min_rows[which] : 0; }
 
 #define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
 #define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
@@ -138,6 +140,101 @@ static void q4k(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1,
                 __m512i isum = _mm512_setzero_si512(), imin = _mm512_setzero_si512();
                 for (int j = 0; j < 8; j++)
                     isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_load_si512(cb + j * 256 + r * 16), sc[j]));
+                for (int q = 0; q < 4; q++) imin = dpw(imin, mn[q], a->xp + (size_t)m * (kp / 64) + b * 4 + q);
+                if (sdk_fault && b == 0 && m == 0) isum = _mm512_add_epi32(isum, fault_lane());
+                store_row(acc + (m - m0) * 16, isum, d, &imin, dmin, a->xa[(size_t)m * (kp / SDK_QK) + b]);
+            }
+        }
+    }
+}
+
+/* Q4_K with the sub-block scales folded into the weights: each value times its scale (at most 15
+ * x 63 = 945) is split into two bytes, p = 256 hi + lo, so a whole super-block takes 4 multiplies
+ * of 64 inputs into one tile of low sums and 4 into one of high sums, and a row's integer sum is
+ * lo + 256 hi: the same integer as the sub-block sums times their scales. The split costs ~20
+ * vector operations per 64 weight bytes, shared by every row of the call; the rows then skip the
+ * per-sub-block stores and multiplies. Tiles: A in tmm0 / tmm3, low and high weights in tmm1, tmm4
+ * / tmm6, tmm7, the sums in tmm2 (low) and tmm5 (high). */
+static void configure_fold(int rows) {
+    const int key = 128 * 64 + rows;
+    if (t_cfg == key) return;
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int a[2] = {0, 3}, w[4] = {1, 4, 6, 7}, s[2] = {2, 5};
+    for (int i = 0; i < 2; i++) {
+        c.rows[a[i]] = (uint8_t)rows;
+        c.colsb[a[i]] = 64;
+        c.rows[s[i]] = (uint8_t)rows;
+        c.colsb[s[i]] = 64;
+    }
+    for (int i = 0; i < 4; i++) {
+        c.rows[w[i]] = 16;
+        c.colsb[w[i]] = 64;
+    }
+    _tile_loadconfig(&c);
+    t_cfg = key;
+}
+
+static void q4k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch, float *acc,
+                     uint8_t *wb, int32_t *cb) {
+    const int kp = a->kp;
+    const long pf = (long)sdk_pf_blocks * SDK_Q4K_REC;
+    const __m512i m4 = _mm512_set1_epi16(0x000f), mlo = _mm512_set1_epi16(0x00ff), mhi = _mm512_set1_epi16((short)0xff00);
+    uint8_t *lo = wb, *hi = wb + 4096;
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *rec = tile + (size_t)b * SDK_Q4K_REC;
+        for (int j = 0; j < 8; j++) {
+            __m512i sw = u8x16(rec + 2048 + j * 16);
+            sw = _mm512_or_si512(sw, _mm512_slli_epi32(sw, 16)); /* the column's scale in both words */
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512(rec + (j * 4 + i) * 64);
+                PF(rec + pf + (j * 4 + i) * 64 + (j == 7 ? 256 : 0));
+                /* the even and odd bytes' values of the low nibbles (inputs 4i..) and the high ones
+                 * (inputs 16 + 4i..), one per 16-bit word, times the scale */
+                __m512i pe = _mm512_mullo_epi16(_mm512_and_si512(v, m4), sw);
+                __m512i po = _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 8), m4), sw);
+                __m512i qe = _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), sw);
+                __m512i qo = _mm512_mullo_epi16(_mm512_srli_epi16(v, 12), sw);
+                /* low bytes: (pe & 0xff) | po << 8 ((A & C) | B: 0xEC); high bytes: pe >> 8 | (po & 0xff00)
+                 * (A | (B & C): 0xF8) */
+                uint8_t *l = lo + j * 512, *h = hi + j * 512;
+                _mm512_store_si512(l + i * 64, _mm512_ternarylogic_epi32(pe, _mm512_slli_epi16(po, 8), mlo, 0xEC));
+                _mm512_store_si512(h + i * 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(pe, 8), po, mhi, 0xF8));
+                _mm512_store_si512(l + (i + 4) * 64,
+                                   _mm512_ternarylogic_epi32(qe, _mm512_slli_epi16(qo, 8), mlo, 0xEC));
+                _mm512_store_si512(h + (i + 4) * 64,
+                                   _mm512_ternarylogic_epi32(_mm512_srli_epi16(qe, 8), qo, mhi, 0xF8));
+            }
+        }
+        __m512i mn[4];
+        for (int q = 0; q < 4; q++)
+            mn[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 2176 + q * 32)));
+        const __m512 d = h2f16(rec + 2304), dmin = h2f16(rec + 2336);
+        for (int c0 = m0; c0 < m1; c0 += ch) {
+            const int rows = m1 - c0 < ch ? m1 - c0 : ch;
+            const int8_t *x = a->xq + (size_t)c0 * kp + b * 256;
+            _tile_zero(2);
+            _tile_zero(5);
+            for (int t = 0; t < 4; t += 2) {
+                _tile_loadd(0, x + t * 64, kp);
+                _tile_loadd(1, lo + t * 1024, 64);
+                _tile_loadd(4, hi + t * 1024, 64);
+                _tile_loadd(3, x + (t + 1) * 64, kp);
+                _tile_loadd(6, lo + (t + 1) * 1024, 64);
+                _tile_loadd(7, hi + (t + 1) * 1024, 64);
+                _tile_dpbsud(2, 0, 1);
+                _tile_dpbsud(5, 0, 4);
+                _tile_dpbsud(2, 3, 6);
+                _tile_dpbsud(5, 3, 7);
+            }
+            _tile_stored(2, cb, 64);
+            _tile_stored(5, cb + 256, 64);
+            for (int r = 0; r < rows; r++) {
+                const int m = c0 + r;
+                __m512i isum = _mm512_add_epi32(_mm512_load_si512(cb + r * 16),
+                                                _mm512_slli_epi32(_mm512_load_si512(cb + 256 + r * 16), 8));
+                __m512i imin = _mm512_setzero_si512();
                 for (int q = 0; q < 4; q++) imin = dpw(imin, mn[q], a->xp + (size_t)m * (kp / 64) + b * 4 + q);
                 if (sdk_fault && b == 0 && m == 0) isum = _mm512_add_epi32(isum, fault_lane());
                 store_row(acc + (m - m0) * 16, isum, d, &imin, dmin, a->xa[(size_t)m * (kp / SDK_QK) + b]);
@@ -267,6 +364,12 @@ void sdk_tile_amx(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
      * a multiply of up to 8 rows costs the same), the last one reading up to 3 rows of the
      * quantized rows' padding (sdk_quantize keeps 16 more; what lands in those sums is not used) */
     const int ch = (rows + (rows + 15) / 16 - 1) / ((rows + 15) / 16);
+    if (type == SDK_Q4K && rows >= sdk_amx_min_rows[2]) {
+        configure_fold(ch);
+        for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + r * 16, _mm512_setzero_ps());
+        q4k_fold(rec, nblk, a, m0, m1, ch, acc, scratch, cb);
+        return;
+    }
     configure(type == SDK_Q6K ? 16 : 32, ch);
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + r * 16, _mm512_setzero_ps());
     if (type == SDK_Q4K)
