@@ -7,10 +7,13 @@
  * minimums, offsets) and its float epilogue, in the same order. The integer sums are exact, so the
  * bits are the reference's whatever the row count.
  *
+ * From more rows Q4_K folds its sub-block scales into the weights instead (q4k_fold).
+ *
  * A tile multiply costs the same for 1..8 rows and about 1.7x that for 16 (measured on the AMX
  * Xeon); calls of fewer than sdk_amx_min_rows rows take the AVX-512 VNNI path (the same bits;
- * kernels.amx_rows times where AMX starts to pay). The tiles' shape is set once per thread and
- * product (ldtilecfg, ~130 cycles) and released at the product's end (sdk_amx_release). */
+ * kernels.amx_rows times where AMX and the fold start to pay). The tiles' shape is set once per
+ * thread and product (ldtilecfg, ~130 cycles) and released at the product's end
+ * (sdk_amx_release). */
 #include <immintrin.h>
 #include <string.h>
 
