@@ -713,6 +713,30 @@ def selfcheck(isa: str) -> bool:
     return _checked(isa)
 
 
+def _recorded(key: str):
+    """The timed choice kept under `key` in the build's choice.json (per CPU), or None."""
+    try:
+        return json.loads((built_library().parent / "choice.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _record(key: str, value) -> None:
+    """Keep a timed choice in the build's choice.json (written whole and renamed: another
+    process reads the old file or the new, never half of one); a read-only cache keeps nothing."""
+    record = built_library().parent / "choice.json"
+    try:
+        try:
+            known = json.loads(record.read_text())
+        except (OSError, ValueError):
+            known = {}
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: value}))
+        tmp.replace(record)
+    except OSError:
+        pass
+
+
 @functools.cache
 def chosen_isa() -> str:
     """The path products take: SPECDECODE_ISA when set, else of those that pass the self-check
@@ -735,24 +759,15 @@ def chosen_isa() -> str:
     if len(passing) == 1:
         return passing[0]
     # the timing (~0.3 s a process) is kept beside the build, per CPU and set of passing paths
-    key, record = f"{cpu_name()} {','.join(passing)}", built_library().parent / "choice.json"
-    try:
-        known = json.loads(record.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if known.get(key) in passing:
-        return known[key]
+    key = f"{cpu_name()} {','.join(passing)}"
+    if _recorded(key) in passing:
+        return _recorded(key)
     weights = _timing_weights()  # held for the choice only
     seconds = {isa: _timed(isa, weights) for isa in passing}
     # the widest path unless a narrower one is clearly faster: a timing beside other work on the
     # machine is noisy, and a wrong pick here costs speed only (every path gives the same bits)
     chosen = next(isa for isa in reversed(passing) if seconds[isa] <= CLEARLY * min(seconds.values()))
-    try:
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**known, key: chosen}))
-        tmp.replace(record)
-    except OSError:
-        pass
+    _record(key, chosen)
     return chosen
 
 
@@ -791,23 +806,14 @@ def prefetch_choice() -> tuple[int, str]:
     if isa == "ref":  # the scalar reference prefetches nothing
         return 1, "t0"
     chosen = (int(forced), forced_hint) if forced and forced_hint else None
-    key, record = f"{cpu_name()} {isa} prefetch", built_library().parent / "choice.json"
+    key = f"{cpu_name()} {isa} prefetch"
     if chosen is None:
-        try:
-            known = json.loads(record.read_text())
-        except (OSError, ValueError):
-            known = {}
-        got = known.get(key)
+        got = _recorded(key)
         if isinstance(got, list) and len(got) == 2 and got[0] in PREFETCH and got[1] in HINTS:
             chosen = (got[0], got[1])
         else:
             chosen = _time_prefetch(lib, isa)
-            try:
-                tmp = record.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({**known, key: list(chosen)}))
-                tmp.replace(record)
-            except OSError:
-                pass
+            _record(key, list(chosen))
         chosen = (int(forced) if forced else chosen[0], forced_hint or chosen[1])
     lib.sdk_set_prefetch(chosen[0])
     lib.sdk_set_prefetch_hint(HINTS.index(chosen[1]))
@@ -845,23 +851,14 @@ def amx_rows() -> tuple[int, int, int]:
             )
         chosen = tuple(int(p) for p in (parts + parts[-1:] * 2)[:3])
     else:
-        key, record = f"{cpu_name()} amx rows", built_library().parent / "choice.json"
-        try:
-            known = json.loads(record.read_text())
-        except (OSError, ValueError):
-            known = {}
-        got = known.get(key)
+        key = f"{cpu_name()} amx rows"
+        got = _recorded(key)
         valid = isinstance(got, list) and len(got) == 3
         if valid and all(isinstance(r, int) and 1 <= r <= NO_AMX for r in got):
             chosen = tuple(got)
         else:
             chosen = _time_amx_rows(lib)
-            try:
-                tmp = record.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({**known, key: list(chosen)}))
-                tmp.replace(record)
-            except OSError:
-                pass
+            _record(key, list(chosen))
     lib.sdk_set_amx_rows(*chosen)
     return chosen
 
