@@ -831,8 +831,8 @@ def amx_rows() -> tuple[int, int, int]:
     weights (csrc/sdk_amx.c q4k_fold: a split of every weight into two bytes, shared by the call's
     rows, against stores and multiplies a row); fewer rows take the AVX-512 VNNI code, or the
     tiles without the fold (the same bits: all are exact integer sums). A tile multiply costs the
-    same for 1 to 8 rows, so few rows pay the tiles' set-up and stores for nothing, and Q6_K (16
-    multiplies and 16 scales a super-block) pays from more rows than Q4_K.
+    same for 1 to 8 rows, so few rows pay the tiles' set-up and stores for nothing; Q6_K on the
+    tiles always folds its scales, a split that pays from a count of its own.
     SPECDECODE_AMX_ROWS=N, N,M or N,M,F (1..65; 65: never) forces them; else AMX_ROWS rows through
     timing weights of each kind are timed both ways, interleaved three times, and for each the
     smallest count from which the tiles (the fold) are no slower at every larger count is kept
