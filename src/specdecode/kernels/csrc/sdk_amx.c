@@ -378,9 +378,9 @@ void sdk_tile_amx(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
         sdk_tile_avx512vnni(type, rec, nblk, a, m0, m1, acc, scratch);
         return;
     }
-    /* the decoded weights (one super-block, or 8 blocks of 32: 4 KiB) in scratch; the tiles'
-     * sums (16 units x 16 rows x 16 columns) here */
-    int32_t cb[16 * 256] __attribute__((aligned(64)));
+    /* the decoded weights (one super-block, or 8 blocks of 32: 4 KiB; folded: 8 KiB) in scratch;
+     * the tiles' sums (up to 8 units x 16 rows x 16 columns) here */
+    int32_t cb[8 * 256] __attribute__((aligned(64)));
     /* more than 16 rows: the fewest tiles of equal height (20 rows: two of 10, not 16 + 4, since
      * a multiply of up to 8 rows costs the same), the last one reading up to 3 rows of the
      * quantized rows' padding (sdk_quantize keeps 16 more; what lands in those sums is not used) */
