@@ -391,7 +391,9 @@ def test_the_server_stops_drafting_when_rounds_get_slow_and_drafts_again_when_th
                 time.sleep(0.02)
             return caps
 
-        assert 4 in caps_for(1.5)  # drafting at the start-up costs
+        # drafting at the start-up costs, for a sustained stretch (the k it drafts at is the
+        # policy's: 3 or 4 as the costs learned from this machine's first rounds rate them)
+        assert all(c > 0 for c in caps_for(1.5)[-20:])
         slow["on"] = True
         assert caps_for(3.0)[-20:].count(0) >= 18  # learned: drafting loses (a probe now and then)
         slow["on"] = False
