@@ -8,6 +8,10 @@ from helpers import tiny_pair
 
 hf_logging.disable_progress_bar()
 
+# the weights a load packs stay out of the user's cache (kernels/store.py): tests/test_store.py
+# turns the store on, in a temporary cache, where it tests it
+os.environ.setdefault("SPECDECODE_WEIGHT_CACHE", "0")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two pytest workers on this 2-core machine: one torch thread each (and in
     # the CLI subprocesses they start), or the workers' OpenMP threads spin against each other

@@ -28,6 +28,7 @@ from ..errors import SpecDecodeError
 from ..paths import cpu_name
 from .blocks import CODE, BlockWeight, quantize_q4_k, quantize_q8_0
 from .build import BuildError, built_library
+from .store import cached, source_tag
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni", "amx")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
@@ -167,13 +168,24 @@ def runnable_isas() -> list[str]:
     return [] if lib is None else [name for i, name in enumerate(ISAS) if lib.sdk_isa_runs(i)]
 
 
+@functools.cache
+def _blocks_tag() -> str:
+    """The version of the code that lays blocks out as tiles (a cached packing's key)."""
+    from . import blocks
+
+    return source_tag(blocks.__file__)
+
+
 class PackedWeight:
     """A BlockWeight in the kernel's tiles (what `linear` multiplies by)."""
 
     def __init__(self, weight: BlockWeight) -> None:
         self.kind, self.code = weight.kind, CODE[weight.kind]
         self.out_features, self.in_features = weight.shape
-        self.tiles = torch.from_numpy(np.ascontiguousarray(weight.tiles()))
+        # kept in the cache by the blocks' bytes (kernels/store.py): packing the pair takes
+        # seconds in numpy, reading it back a fraction of one
+        tag = f"tiles:{weight.kind}:{weight.in_features}:{_blocks_tag()}"
+        self.tiles = torch.from_numpy(cached(tag, [weight.raw], lambda: np.ascontiguousarray(weight.tiles())))
         self.blocks = self.tiles.shape[1]
         self.nbytes = self.tiles.numel()
 

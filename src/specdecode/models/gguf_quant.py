@@ -23,6 +23,8 @@ took 5% off its drafting time a round, tau -1%).
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +34,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..kernels.blocks import BlockWeight, quantize_q4_0, quantize_q8_0
+from ..kernels.store import cached, source_tag
 from .gguf_import import _field, _require_gguf, hf_name, unpermute_rope
 from .quant import QWeight, _bf16
 
@@ -70,21 +73,17 @@ class GGUFQWeights(Mapping):
     def __init__(self, path: str | Path, fmt: str) -> None:
         if fmt not in KEEPS:
             raise SpecDecodeError(f"unknown GGUF format {fmt!r}; choose one of {', '.join(KEEPS)}")
-        gguf = _require_gguf()
         self.path, self.fmt = Path(path), fmt
-        self.reader = gguf.GGUFReader(str(path))
-        arch = _field(self.reader, "general.architecture")
-        self.heads = {
-            "q_proj": int(_field(self.reader, f"{arch}.attention.head_count")),
-            "k_proj": int(_field(self.reader, f"{arch}.attention.head_count_kv")),
-        }
-        self.permuted = arch == "llama"  # llama.cpp interleaved llama's q/k rows (gguf_import.py)
+        index = gguf_index(path)
+        self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.heads = {"q_proj": index["head_count"], "k_proj": index["head_count_kv"]}
+        self.permuted = index["arch"] == "llama"  # llama.cpp interleaved llama's q/k rows (gguf_import.py)
         self.rounded: set[str] = set()
         self.tensors = {}
-        for t in self.reader.tensors:
-            name = hf_name(t.name)
-            if name is not None and name.endswith(".weight") and len(t.shape) == 2 and "norm" not in name:
-                self.tensors[name] = t
+        for t in index["tensors"]:
+            name = hf_name(t["name"])
+            if name is not None and name.endswith(".weight") and len(t["shape"]) == 2 and "norm" not in name:
+                self.tensors[name] = _Tensor(self.data, t)
 
     def release(self) -> None:
         """Let the OS drop the file's pages this process read while the blocks were packed (the
@@ -93,7 +92,7 @@ class GGUFQWeights(Mapping):
         kq load grew RSS by 2.1 GB for 1.0 GB of weights."""
         import mmap
 
-        mapped = getattr(self.reader.data, "_mmap", None)
+        mapped = getattr(self.data, "_mmap", None)
         if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             try:
                 mapped.madvise(mmap.MADV_DONTNEED)
@@ -102,6 +101,9 @@ class GGUFQWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    def __contains__(self, name) -> bool:  # Mapping's own would unpack the matrix to answer
+        return name in self.tensors
 
     def __iter__(self):
         return iter(self.tensors)
@@ -127,9 +129,7 @@ class GGUFQWeights(Mapping):
         if kind in KEEPS[self.fmt]:
             return BlockWeight(kind.lower(), raw, cols)
         if self.fmt == "kq4":
-            gguf = _require_gguf()
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
-            return quantize_q4_0(np.asarray(w, dtype=np.float32))
+            return self._rounded(t, rows, cols, "q4_0")
         if kind not in self.rounded:
             self.rounded.add(kind)
             print(
@@ -137,9 +137,22 @@ class GGUFQWeights(Mapping):
                 "rounded to Q8_0 (8 bits per 32)",
                 file=sys.stderr,
             )
+        return self._rounded(t, rows, cols, "q8_0")
+
+    @staticmethod
+    def _rounded(t, rows: int, cols: int, kind: str) -> BlockWeight:
+        """A tensor dequantized by the gguf library and rounded to `kind` blocks: kept in the cache
+        by the tensor's bytes (kernels/store.py), since the library's numpy dequantization is
+        most of a kq4 draft's load (~12 s of the 0.5B's on the AMX Xeon)."""
         gguf = _require_gguf()
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
-        return quantize_q8_0(np.asarray(w, dtype=np.float32))
+
+        def make() -> np.ndarray:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
+            quantize = quantize_q4_0 if kind == "q4_0" else quantize_q8_0
+            return quantize(np.asarray(w, dtype=np.float32)).raw
+
+        tag = f"rounded:{t.tensor_type.name}->{kind}:{rows}x{cols}:gguf {_gguf_version()}:{_rounding_tag()}"
+        return BlockWeight(kind, cached(tag, [np.asarray(t.data)], make), cols)
 
     def dequantized(self, name: str) -> torch.Tensor:
         """The file's own dequantization of a matrix (float32 [rows, cols], as our runtime lays it out)."""
@@ -194,8 +207,22 @@ def read_qweights(path: str | Path, fmt: str) -> tuple[GGUFQWeights, str]:
 def narrow_kind(path: str | Path) -> str:
     """The kq blocks a file's matrices of widths that are no multiple of 256 load as: q5_0 when
     most of them are Q5_0 in the file (llama.cpp's k-quant mixes), else q8_0 (for the autotuner,
-    which times random blocks of the kinds a load gives). Reading a file's tensor list takes
-    seconds (its vocabulary is parsed too), so the answer is kept in the cache by path, size and
+    which times random blocks of the kinds a load gives), from the file's cached index."""
+    kinds: dict[str, int] = {}
+    for t in gguf_index(path)["tensors"]:
+        if len(t["shape"]) == 2 and int(t["shape"][0]) % 256:
+            kinds[t["type"]] = kinds.get(t["type"], 0) + 1
+    return "q5_0" if kinds and max(kinds, key=kinds.get) == "Q5_0" else "q8_0"
+
+
+_INDEX_VERSION = 1
+
+
+def gguf_index(path: str | Path) -> dict:
+    """What the runtime reads of a GGUF besides its tensors' bytes: the architecture, the head
+    counts, and per tensor its name, type, shape (GGUF order, innermost first), offset and size.
+    The gguf library parses every field of the file, its vocabulary included (~11 s for a Qwen2.5
+    file on the AMX Xeon), so the index is kept in the cache by the file's path, size and
     modification time."""
     import json
 
@@ -203,23 +230,73 @@ def narrow_kind(path: str | Path) -> str:
 
     p = Path(path).resolve()
     st = p.stat()
-    key = f"{p}:{st.st_size}:{st.st_mtime_ns}"
-    memo = cache_dir() / "gguf-files" / "narrow.json"
+    key = f"{_INDEX_VERSION}:{p}:{st.st_size}:{st.st_mtime_ns}"
+    memo = cache_dir() / "gguf-files" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     try:
         known = json.loads(memo.read_text())
+        if known.get("key") == key:
+            return known
     except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
+        pass
     gguf = _require_gguf()
-    kinds: dict[str, int] = {}
-    for t in gguf.GGUFReader(str(p)).tensors:
-        if len(t.shape) == 2 and int(t.shape[0]) % 256:
-            kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
-    kind = "q5_0" if kinds and max(kinds, key=kinds.get) == "Q5_0" else "q8_0"
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except (ValueError, OSError) as e:
+        raise SpecDecodeError(f"{p}: not a readable GGUF file ({e})") from None
+    arch = _field(reader, "general.architecture")
+    index = {
+        "key": key,
+        "arch": arch,
+        "head_count": int(_field(reader, f"{arch}.attention.head_count")),
+        "head_count_kv": int(_field(reader, f"{arch}.attention.head_count_kv")),
+        "tensors": [
+            {
+                "name": t.name,
+                "type": t.tensor_type.name,
+                "shape": [int(x) for x in t.shape],
+                "offset": int(t.data_offset),
+                "nbytes": int(t.n_bytes),
+            }
+            for t in reader.tensors
+        ],
+    }
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps({**known, key: kind}, indent=1))
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, memo)
     except OSError:
-        pass  # measured again next time
-    return kind
+        pass  # parsed again next time
+    return index
+
+
+class _Tensor:
+    """One tensor of a GGUF index over the file's memory map, as the gguf library's ReaderTensor
+    gives it: `data` is [rows, bytes per row] uint8 for block types, the values for float ones."""
+
+    FLOATS = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+
+    def __init__(self, mapped: np.ndarray, info: dict) -> None:
+        gguf = _require_gguf()
+        self.name, self.shape = info["name"], info["shape"]
+        self.tensor_type = gguf.GGMLQuantizationType[info["type"]]
+        view = mapped[info["offset"] : info["offset"] + info["nbytes"]]
+        dims = tuple(reversed(self.shape))
+        if info["type"] in self.FLOATS:
+            self.data = view.view(self.FLOATS[info["type"]]).reshape(dims)
+        else:
+            self.data = view.reshape(gguf.quant_shape_to_byte_shape(dims, self.tensor_type))
+
+
+@functools.cache
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+@functools.cache
+def _rounding_tag() -> str:
+    from ..kernels import blocks
+
+    return source_tag(blocks.__file__)
