@@ -26,7 +26,7 @@ from specdecode.models.init import init_model
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel could not be built here")
 
 SIMD = [isa for isa in kernels.ISAS if isa != "ref"]
-ROWS = [*range(1, 17), 64]
+ROWS = [*range(1, 17), 20, 40, 64]  # AMX: one chunk of rows, a pair of chunks, three chunks
 
 
 def random_q6_k(n: int, k: int, rng: np.random.Generator) -> BlockWeight:
@@ -69,8 +69,8 @@ def rows(rng: np.random.Generator, m: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("shape", [(40, 520), (24, 96), (16, 1024), (3, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_every_path_gives_the_scalar_references_bits(isa, shape):
-    """Forced one at a time, every path this CPU runs equals the reference bit for bit at 1-16
-    and 64 rows, on widths that are no whole number of blocks, with 1 and 2 threads."""
+    """Forced one at a time, every path this CPU runs equals the reference bit for bit at 1-16,
+    20, 40 and 64 rows, on widths that are no whole number of blocks, with 1 and 2 threads."""
     if isa not in kernels.runnable_isas():
         pytest.skip(f"this CPU does not run {isa}")
     rng = np.random.default_rng(0)
@@ -405,7 +405,8 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
         for n, k in ((1, 32), (17, 300), (33, 520), (5, 256), (16, 1040)):
             for w in weights(rng, n, k):
                 packed = PackedWeight(w)
-                for m, pre in ((1, 0), (3, 1), (7, 2), (65, 0), (65, 2)):  # pre: none, RMSNorm, SwiGLU
+                # pre: none, RMSNorm, SwiGLU; on AMX 17 rows: a pair of chunks, 40: three
+                for m, pre in ((1, 0), (3, 1), (7, 2), (17, 1), (40, 0), (65, 0), (65, 2)):
                     count += 1
                     tiles = packed.tiles.numpy()
                     head = [packed.code, n, packed.blocks, k, m, tiles.nbytes, pre]
@@ -867,6 +868,29 @@ def test_generate_takes_a_gguf_path_and_measures_its_format_by_default(
     assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 4
     assert main(["generate", "--target", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2
     assert "no such GGUF file" in capsys.readouterr().err
+
+
+def test_amx_stands_in_for_avx512_vnni_whose_code_it_runs_below_its_row_counts(monkeypatch, tmp_path):
+    """A timing at 1 and 8 rows cannot see what the tiles win at 16-64 rows (AMX runs the VNNI code
+    below its own timed row counts): amx is never timed against avx512vnni, it takes its place;
+    a clearly faster narrower path still wins over both."""
+    monkeypatch.delenv("SPECDECODE_ISA", raising=False)
+    monkeypatch.setattr(kernels, "runnable_isas", lambda: ["ref", "avx2", "avx512vnni", "amx"])
+    monkeypatch.setattr(kernels, "selfcheck", lambda isa: True)
+    monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
+    for seconds, want in (
+        ({"avx2": 1.0, "avx512vnni": 1.1}, "amx"),
+        ({"avx2": 1.0, "avx512vnni": 1.3}, "avx2"),
+    ):
+        build = tmp_path / want
+        build.mkdir()
+        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
+        monkeypatch.setattr(kernels, "_timed", lambda isa, weights, s=seconds: s[isa])  # KeyError for amx
+        kernels.chosen_isa.cache_clear()
+        try:
+            assert kernels.chosen_isa() == want, seconds
+        finally:
+            kernels.chosen_isa.cache_clear()
 
 
 def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(monkeypatch, tmp_path):

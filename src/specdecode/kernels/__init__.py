@@ -645,7 +645,7 @@ def _checked(isa: str) -> bool:
             for weight, x in _check_cases(gen):
                 packed = PackedWeight(weight)
                 want = _call(lib, x, packed, ref, 1)
-                for rows in (1, 2, 3, 5, 8, 9, 16, 64, 70):
+                for rows in (1, 2, 3, 5, 8, 9, 16, 20, 40, 64, 70):  # AMX: 1, 2 (paired) and 3 chunks
                     for threads in (1, 2):
                         if not torch.equal(_call(lib, x[:rows], packed, i, threads), want[:rows]):
                             return False
@@ -753,8 +753,9 @@ def _record(key: str, value) -> None:
 def chosen_isa() -> str:
     """The path products take: SPECDECODE_ISA when set, else of those that pass the self-check
     the widest, unless a narrower one was more than CLEARLY times faster (timed at 1 and 8 rows
-    on 56 MB of Q4_K weights: _timed; the outcome is kept in the build's choice.json per CPU, so
-    later processes run the self-checks only)."""
+    on 56 MB of Q4_K weights: _timed; amx stands in for avx512vnni, whose code it runs below
+    its own row counts; the outcome is kept in the build's choice.json per CPU, so later
+    processes run the self-checks only)."""
     forced = os.environ.get("SPECDECODE_ISA")
     if forced:
         if forced not in ISAS:
@@ -768,18 +769,26 @@ def chosen_isa() -> str:
     passing = [isa for isa in runnable_isas() if isa != "ref" and selfcheck(isa)]
     if not passing:
         return "ref"
-    if len(passing) == 1:
-        return passing[0]
+    # amx is timed as the avx512vnni path it extends: below its timed row counts (amx_rows) it
+    # runs that very code, so a timing at 1 and 8 rows can only see noise or tiles that amx_rows
+    # would not use there (on the AMX Xeon it once picked avx512vnni by 15%, and the 64-row
+    # products ran at half speed)
+    timed = [isa for isa in passing if isa != "amx" or "avx512vnni" not in passing]
+    chosen = timed[0] if len(timed) == 1 else None
     # the timing (~0.3 s a process) is kept beside the build, per CPU and set of passing paths
     key = f"{cpu_name()} {','.join(passing)}"
-    if _recorded(key) in passing:
-        return _recorded(key)
-    weights = _timing_weights()  # held for the choice only
-    seconds = {isa: _timed(isa, weights) for isa in passing}
-    # the widest path unless a narrower one is clearly faster: a timing beside other work on the
-    # machine is noisy, and a wrong pick here costs speed only (every path gives the same bits)
-    chosen = next(isa for isa in reversed(passing) if seconds[isa] <= CLEARLY * min(seconds.values()))
-    _record(key, chosen)
+    if chosen is None and _recorded(key) in passing:
+        chosen = _recorded(key)
+    elif chosen is None:
+        weights = _timing_weights()  # held for the choice only
+        seconds = {isa: _timed(isa, weights) for isa in timed}
+        # the widest path unless a narrower one is clearly faster: a timing beside other work on the
+        # machine is noisy, and a wrong pick here costs speed only (every path gives the same bits)
+        chosen = next(isa for isa in reversed(timed) if seconds[isa] <= CLEARLY * min(seconds.values()))
+    if chosen == "avx512vnni" and "amx" in passing:
+        chosen = "amx"
+    if len(passing) > 1 and _recorded(key) != chosen:
+        _record(key, chosen)
     return chosen
 
 

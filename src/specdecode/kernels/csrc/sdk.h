@@ -60,6 +60,11 @@ typedef struct {
     const int32_t *xp;
     const int32_t *xw;
     int kp;
+    /* the AMX path's copy of xq (sdk_quantize for isa amx): per 256 inputs, that block of every
+     * row and of 16 rows of padding, [kp / 256][mp][256], so the 16 rows of a tile's load are
+     * 256 bytes apart and a super-block's rows one stream */
+    const int8_t *xt;
+    int mp;
 } sdk_act;
 
 /* one tile (SDK_TILE columns) for rows [m0, m1) (m1 - m0 <= SDK_ROWS): acc [m1 - m0][SDK_TILE]

@@ -100,7 +100,7 @@ int sdk_isa_built(int isa) { return isa >= 0 && isa < SDK_NISA && path(isa) != 0
 
 /* the calling thread's quantized rows (sdk_quantize writes them, sdk_product reads them; the
  * workers get the pointers) and each thread's pre-pass row */
-static __thread int8_t *t_xq;
+static __thread int8_t *t_xq, *t_xt;
 static __thread float *t_xa;
 static __thread int32_t *t_xs, *t_xp, *t_xw;
 static __thread size_t t_rows_cap, t_kp_cap;
@@ -136,15 +136,16 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
     if (want > t_rows_cap || (size_t)kp > t_kp_cap) {
         size_t rows = want > t_rows_cap ? want : t_rows_cap;
         size_t cols = (size_t)kp > t_kp_cap ? (size_t)kp : t_kp_cap;
-        free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw);
+        free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw); free(t_xt);
         t_xq = calloc(rows, cols);
+        t_xt = calloc(rows, cols);
         t_xa = malloc(rows * (cols / SDK_QK) * sizeof(float));
         t_xs = malloc(rows * (cols / 16) * sizeof(int32_t));
         t_xp = malloc(rows * (cols / 64) * sizeof(int32_t));
         t_xw = malloc(rows * (cols / 32) * sizeof(int32_t));
-        if (!t_xq || !t_xa || !t_xs || !t_xp || !t_xw) {
-            free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw);
-            t_xq = 0; t_xa = 0; t_xs = 0; t_xp = 0; t_xw = 0; t_rows_cap = t_kp_cap = 0;
+        if (!t_xq || !t_xa || !t_xs || !t_xp || !t_xw || !t_xt) {
+            free(t_xq); free(t_xa); free(t_xs); free(t_xp); free(t_xw); free(t_xt);
+            t_xq = 0; t_xa = 0; t_xs = 0; t_xp = 0; t_xw = 0; t_xt = 0; t_rows_cap = t_kp_cap = 0;
             return -3;
         }
         t_rows_cap = rows; t_kp_cap = cols;
@@ -192,6 +193,14 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
         }
     }
     if (failed) return -3;
+    if (isa == SDK_ISA_AMX) { /* the tiles' copy (sdk_act.xt), its padding rows zero */
+        const int mp = m + 16;
+        for (int b = 0; b < kp / SDK_QK; b++) {
+            int8_t *dst = t_xt + (size_t)b * mp * SDK_QK;
+            for (int r = 0; r < m; r++) memcpy(dst + (size_t)r * SDK_QK, xq + (size_t)r * kp + (size_t)b * SDK_QK, SDK_QK);
+            memset(dst + (size_t)m * SDK_QK, 0, 16 * SDK_QK);
+        }
+    }
     t_m = m;
     t_k = k;
     return 0;
@@ -212,7 +221,7 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
     if (m != t_m || k != t_k) return -1;
     int kp = ((k + SDK_QK - 1) / SDK_QK) * SDK_QK;
     size_t rec = record_bytes(type);
-    sdk_act act = {t_xq, t_xa, t_xs, t_xp, t_xw, kp};
+    sdk_act act = {t_xq, t_xa, t_xs, t_xp, t_xw, kp, t_xt, m + 16};
     sdk_tile_fn fn = path(isa);
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
     if (nthreads < 1) nthreads = 1;
