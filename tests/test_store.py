@@ -81,6 +81,16 @@ def test_a_damaged_entry_is_made_again_with_one_line(cache, tiny_gguf, capsys):
     assert entry.read_bytes() != bytes(data)  # made again and kept
 
 
+def test_the_first_big_entry_made_says_so_once(cache, capsys, monkeypatch):
+    monkeypatch.setattr(store, "_warned", set())
+    monkeypatch.setattr(store, "ANNOUNCE_BYTES", 1000)
+    for i in range(3):
+        store.cached("t", [np.full(1000, i, np.int8)], lambda: np.zeros(1))
+    store.cached("t", [np.full(1000, 0, np.int8)], lambda: np.zeros(1))  # read back: nothing said
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "packing weights" in ln]
+    assert len(said) == 1 and str(cache / "weights") in said[0]
+
+
 def test_a_truncated_entry_is_made_again(cache, capsys):
     a = np.arange(5000, dtype=np.int32)
     store.cached("t", [a], lambda: a * 2)

@@ -29,6 +29,7 @@ import numpy as np
 from ..paths import cache_dir
 
 MIN_BYTES = 64 << 10
+ANNOUNCE_BYTES = 4 << 20  # the first entry made from this much says so, once a process
 _warned: set[str] = set()
 
 
@@ -86,6 +87,13 @@ def cached(tag: str, sources: Sequence[np.ndarray], make: Callable[[], np.ndarra
         got = _read(meta, data)
         if got is not None:
             return got
+    if not _warned.intersection({"made"}) and sum(s.nbytes for s in sources) >= ANNOUNCE_BYTES:
+        _warned.add("made")
+        print(
+            f"specdecode: packing weights for the kernel once (later loads read them from "
+            f"{cache_dir() / 'weights'})",
+            file=sys.stderr,
+        )
     arr = np.ascontiguousarray(make())
     _write(folder, meta, data, arr, tag)
     return arr

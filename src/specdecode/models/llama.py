@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
+from ..progress import bar
 from .base import PLAIN, ForwardMeta
 from .cache import KVCache
 from .forward_plan import ForwardPlan, plan_forward
@@ -303,7 +304,7 @@ class LlamaModel:
         linear = set(cfg.linear_layers)
         # attention layer i keeps its keys and values in cache layer kv_index[i]
         self.kv_index = {i: j for j, i in enumerate(i for i in range(cfg.num_layers) if i not in linear)}
-        for i in range(cfg.num_layers):
+        for i in bar(range(cfg.num_layers), "loading layers", enabled=quant is not None):
             p = f"model.layers.{i}."
             if i in linear:
                 la = p + "linear_attn."
