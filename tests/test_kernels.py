@@ -1035,7 +1035,10 @@ def test_the_amx_tiles_start_at_the_fewest_rows_from_which_they_are_never_slower
     for q4k_tiles, want in (
         ({r: 1.3 for r in kernels.AMX_ROWS}, (3, 16, 32)),  # slower at 2 rows only
         ({**{r: 1.0 for r in kernels.AMX_ROWS}, 6: 2.0}, (8, 16, 32)),  # a slower count above the first win
-        ({r: 99.0 for r in kernels.AMX_ROWS}, (no, 16, 32)),  # never faster: never the tiles
+        # never faster: never the tiles (and the fold, 0.2% slower, within the noise: the count
+        # of a fold the tiles never reach)
+        ({r: 99.0 for r in kernels.AMX_ROWS}, (no, 16, 2)),
+        ({**{r: 1.0 for r in kernels.AMX_ROWS}, 6: 1.62}, (2, 16, 32)),  # 1% slower at 6 rows: noise
         ({r: 0.5 for r in kernels.AMX_ROWS}, (2, 16, 32)),
     ):
         build = tmp_path / str(len(list(tmp_path.iterdir())))

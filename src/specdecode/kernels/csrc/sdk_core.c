@@ -32,6 +32,13 @@ void sdk_set_prefetch(int blocks) { sdk_pf_blocks = blocks < 1 ? 1 : blocks > 8 
 
 void sdk_set_prefetch_hint(int nta) { sdk_pf_nta = nta != 0; }
 
+/* write back and drop every cache line of [p, p + bytes) (the timings' weights: a CPU whose last
+ * level cache holds them would otherwise time products that never wait on memory) */
+void sdk_evict(const void *p, long bytes) {
+    for (long i = 0; i < bytes; i += 64) __builtin_ia32_clflush((const char *)p + i);
+    __builtin_ia32_mfence();
+}
+
 static unsigned long long xgetbv0(void) {
     unsigned int lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
