@@ -934,7 +934,8 @@ def _time_amx_rows(lib) -> tuple[int, int, int]:
         for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
             for r, use in seconds:
                 lib.sdk_set_amx_rows(*(on if use else off))
-                seconds[r, use] = min(seconds[r, use], _timed("amx", weights, rows=(r,), repeats=1))
+                took = _timed("amx", weights, rows=(r,), repeats=1, evict=False)
+                seconds[r, use] = min(seconds[r, use], took)
         chosen.append(_from_rows(seconds))
     return chosen[0], chosen[1], chosen[2]
 
@@ -959,16 +960,23 @@ def _time_prefetch(lib, isa: str) -> tuple[int, str]:
     return (1 if seconds[1, hint] <= PREFETCH_CLEARLY * seconds[best, hint] else best), hint
 
 
-def _timed(isa: str, weights: list[PackedWeight], rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> float:
+def _timed(
+    isa: str,
+    weights: list[PackedWeight],
+    rows: tuple[int, ...] = (1, 8),
+    repeats: int = 3,
+    evict: bool = True,
+) -> float:
     """Seconds of `rows` rows through 56 MB of random Q4_K weights on `isa`, the fastest of
-    `repeats` passes after a warm one, each pass after the weights' cache lines are dropped
-    (sdk_evict): read from memory, as in a forward (the AMX Xeon's 480 MiB last-level cache held
-    them, and a pass of one row ran at 45 GB/s against the memory's 28)."""
+    `repeats` passes after a warm one, each pass (evict) after the weights' cache lines are
+    dropped (sdk_evict, ~30 ms): read from memory, as in a forward (the AMX Xeon's 480 MiB
+    last-level cache held them, and a pass of one row ran at 45 GB/s against the memory's 28).
+    The AMX thresholds' 200-odd passes of 2-48 rows, bound by arithmetic, skip it."""
     lib, threads, i = _lib(), torch.get_num_threads(), ISAS.index(isa)
     x = torch.randn(max(rows), weights[0].in_features, generator=torch.Generator().manual_seed(0))
     best = float("inf")
     for rep in range(repeats + 1):
-        for w in weights:
+        for w in weights if evict else ():
             lib.sdk_evict(w.tiles.data_ptr(), w.nbytes)
         t0 = time.perf_counter()
         for m in rows:
