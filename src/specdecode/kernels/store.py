@@ -1,8 +1,8 @@
 """Arrays made once from a model's weights and kept in the cache, so a second load reads them
 instead of making them again: the kernel's packed tiles (`BlockWeight.tiles`) and a draft's
-blocks rounded to Q4_0 (`kq4`). Made in numpy, the 1.5B + 0.5B pair's took ~20 s of a 43 s
-start-up on the AMX Xeon (benchmarks/NOTES.md, issue 53, twelfth session); read back they take
-about a second.
+blocks rounded to Q4_0 (`kq4`). Made in numpy, the 1.5B + 0.5B pair's took ~22 s of a 43.7 s
+start-up on the AMX Xeon (the GGUF's parsed index, kept by models/gguf_quant.py, ~22 s more;
+benchmarks/NOTES.md, issue 53, twelfth session); read back they take about a second.
 
 An entry is keyed by what it is made from: a tag (what is made, the version of the code that
 makes it) and the sha256 of every source array's bytes, so a changed file, tensor, selection of
