@@ -50,6 +50,7 @@ def test_a_second_load_reads_the_packed_and_rounded_weights_without_making_them(
     from specdecode.models import gguf_quant
 
     monkeypatch.setattr(blocks.BlockWeight, "tiles", _never)  # the packing
+    monkeypatch.setattr(blocks.np, "concatenate", _never)  # stacking q|k|v and gate|up
     monkeypatch.setattr(gguf_quant, "quantize_q4_0", _never)  # kq4's rounding
     monkeypatch.setattr(gguf.quants, "dequantize", _never)
     monkeypatch.setattr(gguf, "GGUFReader", _never)  # the file's index

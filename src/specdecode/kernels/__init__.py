@@ -185,9 +185,11 @@ class PackedWeight:
         self.kind, self.code = weight.kind, CODE[weight.kind]
         self.out_features, self.in_features = weight.shape
         # kept in the cache by the blocks' bytes (kernels/store.py): packing the pair takes
-        # seconds in numpy, reading it back a fraction of one
+        # seconds in numpy, reading it back a fraction of one (stacked parts are keyed by the
+        # parts, so a packing read back never stacks them)
         tag = f"tiles:{weight.kind}:{weight.in_features}:{_blocks_tag()}"
-        self.tiles = torch.from_numpy(cached(tag, [weight.raw], lambda: np.ascontiguousarray(weight.tiles())))
+        made = cached(tag, weight.sources, lambda: np.ascontiguousarray(weight.tiles()))
+        self.tiles = torch.from_numpy(made)
         self.blocks = self.tiles.shape[1]
         self.nbytes = self.tiles.numel()
 

@@ -62,14 +62,21 @@ class BlockWeight:
         """These rows (an index array or slice), blocks untouched."""
         return BlockWeight(self.kind, np.ascontiguousarray(self.raw[index]), self.in_features)
 
+    @property
+    def sources(self) -> list[np.ndarray]:
+        """The arrays these blocks are made of (a packing's key in kernels/store.py)."""
+        return [self.raw]
+
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight:
+        """The parts' rows stacked (their blocks as they are). The copy is made when `raw` is
+        first read, not before: a packing read back from the store never needs it."""
         first = parts[0]
         if any((p.kind, p.raw.shape[1]) != (first.kind, first.raw.shape[1]) for p in parts):
             raise ValueError("formats differ")
         if len(parts) == 1:  # no copy: a file's blocks stay a view of its memory map
             return first
-        return BlockWeight(first.kind, np.concatenate([p.raw for p in parts]), first.in_features)
+        return _Stacked(first.kind, None, first.in_features, [p.raw for p in parts])
 
     def dequantize(self) -> np.ndarray:
         """The float32 [rows, in_features] matrix the blocks stand for (ggml's dequantization)."""
@@ -100,6 +107,39 @@ class BlockWeight:
         raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
         tiles = {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0, "q5_0": _tiles_q5_0}
         return {**tiles, "q4_0": _tiles_q4_0}[self.kind](raw)
+
+
+class _Stacked(BlockWeight):
+    """BlockWeight.cat of several parts: `raw` is their concatenation, made at first read."""
+
+    def __init__(self, kind: str, raw, in_features: int, parts: list[np.ndarray]) -> None:
+        self.kind, self.in_features, self._parts, self._raw = kind, in_features, parts, raw
+
+    @property
+    def raw(self) -> np.ndarray:
+        if self._raw is None:
+            self._raw = np.concatenate(self._parts)
+        return self._raw
+
+    @raw.setter
+    def raw(self, value: np.ndarray) -> None:
+        self._raw = value
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self._parts), self.in_features)
+
+    @property
+    def blocks(self) -> int:
+        return self._parts[0].shape[1] // BLOCK[self.kind][1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._parts)
+
+    @property
+    def sources(self) -> list[np.ndarray]:
+        return list(self._parts)
 
 
 def _f16(raw: np.ndarray, offset: int) -> np.ndarray:
