@@ -153,3 +153,25 @@ def test_a_changed_gguf_gets_a_new_index(cache, tmp_path):
     after = gguf_index(path)
     assert after["key"] != before["key"] and after["tensors"] == before["tensors"]
     assert len(list((cache / "gguf-files").glob("*.json"))) == 2
+
+
+def test_entries_unused_for_a_month_go_when_a_process_writes_one(cache, monkeypatch, capsys):
+    import os
+    import time
+
+    old, used = np.arange(5000, dtype=np.int32), np.arange(6000, dtype=np.int32)
+    store.cached("t", [old], lambda: old)
+    store.cached("t", [used], lambda: used)
+    month = time.time() - 40 * 86400
+    for meta in (cache / "weights").glob("*/*.json"):
+        os.utime(meta, (month, month))
+    store.cached("t", [used], lambda: pytest.fail("made again"))  # a read marks it used
+    monkeypatch.setattr(store, "_warned", set())  # a new process
+    store.cached("t", [np.arange(7000, dtype=np.int32)], lambda: np.zeros(1))
+    assert len(list((cache / "weights").glob("*/*.json"))) == 2  # the read one and the new one
+    assert len(list((cache / "weights").glob("*/*.bin"))) == 2
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "removed" in ln]
+    assert len(said) == 1 and "1 packed-weight entries unused for 30 days" in said[0]
+    made = []
+    store.cached("t", [old], lambda: made.append(1) or old)
+    assert made == [1]  # gone: made again

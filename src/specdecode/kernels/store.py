@@ -11,7 +11,8 @@ recorded when it was written before they are used; a damaged entry is made again
 The sha256 is taken in fixed pieces on every core (`digest`). Arrays under MIN_BYTES are made
 every time (hashing and a file cost more than the making). SPECDECODE_WEIGHT_CACHE=0 turns the
 store off. Entries live in $SPECDECODE_CACHE/weights/
-(paths.cache_dir); deleting that folder is always safe."""
+(paths.cache_dir); deleting that folder is always safe, and entries unused for KEEP_DAYS go when a
+process writes a new one (a read marks an entry used)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ..paths import cache_dir
 
 MIN_BYTES = 64 << 10
 ANNOUNCE_BYTES = 4 << 20  # the first entry made from this much says so, once a process
+KEEP_DAYS = 30  # entries unused this long go when a process writes a new one
 _warned: set[str] = set()
 
 
@@ -86,6 +88,8 @@ def cached(tag: str, sources: Sequence[np.ndarray], make: Callable[[], np.ndarra
     if meta.exists():
         got = _read(meta, data)
         if got is not None:
+            with contextlib.suppress(OSError):
+                os.utime(meta)  # used now: pruning keeps it (_prune)
             return got
     if not _warned.intersection({"made"}) and sum(s.nbytes for s in sources) >= ANNOUNCE_BYTES:
         _warned.add("made")
@@ -136,6 +140,9 @@ def _write(folder: Path, meta: Path, data: Path, arr: np.ndarray, tag: str) -> N
         os.replace(data.with_name(data.name + tmp), data)
         meta.with_name(meta.name + tmp).write_text(json.dumps(info))
         os.replace(meta.with_name(meta.name + tmp), meta)
+        if "pruned" not in _warned:
+            _warned.add("pruned")
+            _prune(cache_dir() / "weights")
     except OSError as e:
         for p in (data.with_name(data.name + tmp), meta.with_name(meta.name + tmp)):
             with contextlib.suppress(OSError):
@@ -148,3 +155,25 @@ def _write(folder: Path, meta: Path, data: Path, arr: np.ndarray, tag: str) -> N
                 "made again at each load (set SPECDECODE_CACHE to a writable folder with room)",
                 file=sys.stderr,
             )
+
+
+def _prune(root: Path) -> None:
+    """Remove the entries no load has read or written for KEEP_DAYS (made by older packing code, or
+    for models no longer used), once a process, when it writes one; one line says what went."""
+    import time
+
+    cutoff, gone, freed = time.time() - KEEP_DAYS * 86400, 0, 0
+    for meta in root.glob("*/*.json"):
+        with contextlib.suppress(OSError):
+            if meta.stat().st_mtime < cutoff:
+                data = meta.with_suffix(".bin")
+                freed += data.stat().st_size if data.exists() else 0
+                meta.unlink()
+                data.unlink(missing_ok=True)
+                gone += 1
+    if gone:
+        print(
+            f"specdecode: removed {gone} packed-weight entries unused for {KEEP_DAYS} days from {root} "
+            f"({freed / 1e9:.2f} GB)",
+            file=sys.stderr,
+        )
