@@ -248,6 +248,23 @@ static inline void split_store(__m512i pe, __m512i po, uint8_t *l, uint8_t *h) {
         _tile_stored(7, (cb) + 768, 64);                          \
     } while (0)
 
+/* the chunk of rows from c0 (a pair of chunks when paired) through the folded tiles of one
+ * super-block (q4k_fold's and q6k_fold's names: a, b, ch, paired, lo, hi, cb) */
+#define FOLD_CHUNK(HI_DP, c0)                                              \
+    do {                                                                   \
+        const int8_t *x_ = xrows(a, (c0), b);                              \
+        if (paired)                                                        \
+            FOLD_TILES2(HI_DP, x_, x_ + ch * SDK_QK, SDK_QK, lo, hi, cb);  \
+        else                                                               \
+            FOLD_TILES(HI_DP, x_, SDK_QK, lo, hi, cb);                     \
+    } while (0)
+
+/* row r's integer sum from FOLD_CHUNK's sums: low + 256 x high (the second chunk's at cb + 512) */
+static inline __m512i folded_sum(const int32_t *cb, int r, int ch) {
+    const int32_t *s = cb + (r >= ch) * 512 + (r - (r >= ch) * ch) * 16;
+    return _mm512_add_epi32(_mm512_load_si512(s), _mm512_slli_epi32(_mm512_load_si512(s + 256), 8));
+}
+
 static void q4k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch, int paired,
                      float *acc, uint8_t *wb, int32_t *cb) {
     const int kp = a->kp;
@@ -277,17 +294,12 @@ static void q4k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
         for (int q = 0; q < 4; q++)
             mn[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 2176 + q * 32)));
         const __m512 d = h2f16(rec + 2304), dmin = h2f16(rec + 2336);
-        for (int c0 = m0; c0 < m1; c0 += (paired + 1) * ch) {
-            const int rows = m1 - c0 < (paired + 1) * ch ? m1 - c0 : (paired + 1) * ch;
-            const int8_t *x = xrows(a, c0, b);
-            if (paired)
-                FOLD_TILES2(_tile_dpbsud, x, x + ch * SDK_QK, SDK_QK, lo, hi, cb);
-            else
-                FOLD_TILES(_tile_dpbsud, x, SDK_QK, lo, hi, cb);
+        for (int c0 = m0, span = (paired + 1) * ch; c0 < m1; c0 += span) {
+            const int rows = m1 - c0 < span ? m1 - c0 : span;
+            FOLD_CHUNK(_tile_dpbsud, c0);
             for (int r = 0; r < rows; r++) {
                 const int m = c0 + r;
-                const int32_t *s = cb + (r >= ch) * 512 + (r - (r >= ch) * ch) * 16;
-                __m512i isum = _mm512_add_epi32(_mm512_load_si512(s), _mm512_slli_epi32(_mm512_load_si512(s + 256), 8));
+                __m512i isum = folded_sum(cb, r, ch);
                 __m512i imin = _mm512_setzero_si512();
                 for (int q = 0; q < 4; q++) imin = dpw(imin, mn[q], a->xp + (size_t)m * (kp / 64) + b * 4 + q);
                 if (sdk_fault && b == 0 && m == 0) isum = _mm512_add_epi32(isum, fault_lane());
@@ -339,18 +351,13 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
             }
         }
         const __m512 d = h2f16(scales + 256);
-        for (int c0 = m0; c0 < m1; c0 += (paired + 1) * ch) {
-            const int rows = m1 - c0 < (paired + 1) * ch ? m1 - c0 : (paired + 1) * ch;
-            const int8_t *x = xrows(a, c0, b);
-            if (paired)
-                FOLD_TILES2(_tile_dpbssd, x, x + ch * SDK_QK, SDK_QK, lo, hi, cb);
-            else
-                FOLD_TILES(_tile_dpbssd, x, SDK_QK, lo, hi, cb);
+        for (int c0 = m0, span = (paired + 1) * ch; c0 < m1; c0 += span) {
+            const int rows = m1 - c0 < span ? m1 - c0 : span;
+            FOLD_CHUNK(_tile_dpbssd, c0);
             for (int r = 0; r < rows; r++) {
                 const int m = c0 + r;
                 const int32_t *xw = a->xw + (size_t)m * (kp / 32) + b * 8;
-                const int32_t *s = cb + (r >= ch) * 512 + (r - (r >= ch) * ch) * 16;
-                __m512i isum = _mm512_add_epi32(_mm512_load_si512(s), _mm512_slli_epi32(_mm512_load_si512(s + 256), 8));
+                __m512i isum = folded_sum(cb, r, ch);
                 __m512i off = _mm512_setzero_si512();
                 for (int j = 0; j < 8; j++) off = dpw(off, pair[j], xw + j);
                 isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
