@@ -713,8 +713,10 @@ def _rope_attention_matches(gen: np.random.Generator, isa: str) -> bool:
 
 def _attention_cases(gen: np.random.Generator):
     """(q, keys, values, idx, n, scale) for the attention's self-check: head sizes with and without
-    a tail past 16 lanes, slots in random logical order, values over decades."""
-    for D, H, Hkv in ((64, 4, 2), (40, 6, 2), (8, 2, 1)):
+    a tail past 16 lanes, groups of 2, 3, 6 and 9 query heads a key head (the AVX-512 build scores
+    8 keys at a time and sums values for 6 or 3 heads at a time), slots in random logical order,
+    values over decades."""
+    for D, H, Hkv in ((64, 4, 2), (40, 6, 2), (8, 2, 1), (128, 12, 2), (64, 9, 1)):
         B, T, S = 2, 3, 150
         r = lambda *s: torch.from_numpy(gen.standard_normal(s).astype(np.float32))  # noqa: E731
         q, keys = r(B, T, H, D) * 3, r(B, Hkv, 192, D)

@@ -79,6 +79,83 @@ static inline float ATTN(dot)(const float *a, const float *b, int d) {
 
 #endif
 
+#if defined(__AVX512F__) && !defined(SDK_ATTN_AVX512)
+#define SDK_ATTN_AVX512
+#include <immintrin.h>
+/* The AVX-512 build's prefill helpers: the same IEEE operations on the same operands as the
+ * one-key, one-head loops of ATTN(task) (so the same bits), arranged so a key or value row is
+ * loaded once for several query heads and a score's reduction tree is shared by 8 keys. A
+ * 657-token prefill of the 1.5B's attention shape (12 heads, 2 KV heads, D 128): 21.0 -> 15.5 ms a
+ * layer on the AMX Xeon (benchmarks/NOTES.md, issue 53, thirteenth session).
+ *
+ * ATTN(dot) of one query with 8 keys at once (d a multiple of 32), times scale, to out[0..7]: the
+ * same partial sums (blocks of 16 alternating between two sets) and the same tree, each key's
+ * lanes j and j + 8, then j and j + 4, j and j + 2, j and j + 1, added for 8 keys at a time by
+ * permutes across registers instead of within each */
+static inline void sdk_dot8(const float *q, const float *const *k, int d, float scale, float *out) {
+    __m512 a[8], b[8];
+    for (int u = 0; u < 8; u++) a[u] = b[u] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 32) {
+        const __m512 q0 = _mm512_loadu_ps(q + i), q1 = _mm512_loadu_ps(q + i + 16);
+        for (int u = 0; u < 8; u++) {
+            a[u] = _mm512_add_ps(a[u], _mm512_mul_ps(q0, _mm512_loadu_ps(k[u] + i)));
+            b[u] = _mm512_add_ps(b[u], _mm512_mul_ps(q1, _mm512_loadu_ps(k[u] + i + 16)));
+        }
+    }
+    const __m512i s1a = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i s1b = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+    const __m512i s2a = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i s2b = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+    const __m512i s3a = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+    const __m512i s3b = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
+    const __m512i s4a = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i s4b = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512 v[8], t[4], w[2];
+    for (int u = 0; u < 8; u++) v[u] = _mm512_add_ps(a[u], b[u]);
+    /* lanes j + j + 8: two keys a register, 8 lanes each */
+    for (int u = 0; u < 4; u++)
+        t[u] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * u], s1a, v[2 * u + 1]),
+                             _mm512_permutex2var_ps(v[2 * u], s1b, v[2 * u + 1]));
+    /* j + j + 4: four keys a register, 4 lanes each */
+    for (int u = 0; u < 2; u++)
+        w[u] = _mm512_add_ps(_mm512_permutex2var_ps(t[2 * u], s2a, t[2 * u + 1]),
+                             _mm512_permutex2var_ps(t[2 * u], s2b, t[2 * u + 1]));
+    /* j + j + 2: eight keys, 2 lanes each; then j + j + 1: key u in lane u */
+    const __m512 x = _mm512_add_ps(_mm512_permutex2var_ps(w[0], s3a, w[1]), _mm512_permutex2var_ps(w[0], s3b, w[1]));
+    const __m512 r = _mm512_add_ps(_mm512_permutex2var_ps(x, s4a, x), _mm512_permutex2var_ps(x, s4b, x));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm512_castps512_ps256(r), _mm256_set1_ps(scale)));
+}
+#endif
+
+#ifdef SDK_ATTN_AVX512
+/* the outputs of GS query heads (weights w + g n, outputs o + g D) over the same n value rows, 64
+ * lanes at a time: each lane 0 + w_0 v_0 + w_1 v_1 + ... in logical order, as ATTN(task)'s loop
+ * for one head (d a multiple of 64) */
+#define SDK_PV(GS)                                                                                         \
+    static inline void sdk_pv##GS(const float *w, int n, const int32_t *idx, const float *vbase, long vc, \
+                                  int d, float *o) {                                                      \
+        for (int d0 = 0; d0 < d; d0 += 64) {                                                               \
+            __m512 acc[GS][4];                                                                             \
+            for (int g = 0; g < GS; g++)                                                                   \
+                for (int u = 0; u < 4; u++) acc[g][u] = _mm512_setzero_ps();                               \
+            for (int p = 0; p < n; p++) {                                                                  \
+                const int s = idx[p];                                                                      \
+                const float *v = vbase + (long)(s / CHUNK) * vc + (long)(s % CHUNK) * d + d0;              \
+                __m512 vv[4];                                                                              \
+                for (int u = 0; u < 4; u++) vv[u] = _mm512_loadu_ps(v + 16 * u);                           \
+                for (int g = 0; g < GS; g++) {                                                             \
+                    const __m512 wp = _mm512_set1_ps(w[(long)g * n + p]);                                  \
+                    for (int u = 0; u < 4; u++) acc[g][u] = _mm512_add_ps(acc[g][u], _mm512_mul_ps(wp, vv[u])); \
+                }                                                                                          \
+            }                                                                                              \
+            for (int g = 0; g < GS; g++)                                                                   \
+                for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + (long)g * d + d0 + 16 * u, acc[g][u]);    \
+        }                                                                                                  \
+    }
+SDK_PV(3)
+SDK_PV(6)
+#endif
+
 /* x[p] = exp(x[p]) for x <= 0 (a softmax's x - max), in place: 2^r * e^(f ln 2) with r the
  * nearest integer (the 1.5 * 2^23 trick) and a degree-7 Taylor polynomial (relative error below
  * 1e-8 on |f ln 2| <= 0.35); x below -87 gives 2^-126. Lane by lane float and integer
@@ -165,8 +242,17 @@ static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long
     const float *vbase = values + b * vb + h * vh;
     const float *qh = q + b * qb + t * qt + (long)h * G * D;
     float sums[G];
+    int p0 = 0;
+#ifdef SDK_ATTN_AVX512
+    /* 8 keys at a time, each batch scored against every query head of the group while in L1 */
+    for (; D % 32 == 0 && p0 + 8 <= n; p0 += 8) {
+        const float *k8[8];
+        for (int u = 0; u < 8; u++) k8[u] = kbase + (long)idx[p0 + u] * ks;
+        for (int g = 0; g < G; g++) sdk_dot8(qh + (long)g * D, k8, D, scale, w + (long)g * n + p0);
+    }
+#endif
     for (int g = 0; g < G; g++)
-        for (int p = 0; p < n; p++) w[(long)g * n + p] = ATTN(dot)(qh + (long)g * D, kbase + (long)idx[p] * ks, D) * scale;
+        for (int p = p0; p < n; p++) w[(long)g * n + p] = ATTN(dot)(qh + (long)g * D, kbase + (long)idx[p] * ks, D) * scale;
     for (int g = 0; g < G; g++) {
         float *wg = w + (long)g * n, m = -INFINITY, sum = 0.0f;
         for (int p = 0; p < n; p++) m = wg[p] > m ? wg[p] : m;
@@ -178,7 +264,15 @@ static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long
     /* each output lane: 0 + w_0 v_0 + w_1 v_1 + ... in logical order; 64 lanes at a time held
      * in registers over all the keys (the same sums as adding key by key into memory) */
     float *restrict o = out + (((long)b * T + t) * H + (long)h * G) * D;
-    for (int g = 0; g < G; g++) {
+    int g0 = 0;
+#ifdef SDK_ATTN_AVX512
+    /* six heads at a time (24 registers of sums), then three: each value row loaded once for them */
+    for (; D % 64 == 0 && g0 + 6 <= G; g0 += 6)
+        sdk_pv6(w + (long)g0 * n, n, idx, vbase, vc, D, o + (long)g0 * D);
+    for (; D % 64 == 0 && g0 + 3 <= G; g0 += 3)
+        sdk_pv3(w + (long)g0 * n, n, idx, vbase, vc, D, o + (long)g0 * D);
+#endif
+    for (int g = g0; g < G; g++) {
         const float *wg = w + (long)g * n;
         float *og = o + (long)g * D;
         int d0 = 0;
@@ -248,7 +342,9 @@ int ATTN(run)(const float *q, long qb, long qt, const float *keys, long kb, long
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+        /* one task at a time to each thread in turn: a prefill's tasks attend to more keys the
+         * later their token (causal), so halves of the list would give one thread ~3x the work */
+#pragma omp for schedule(static, 1)
         for (int task = 0; task < tasks; task++) {
             if (!w) continue;
             int h = task % Hkv, bt = task / Hkv, b = bt / T, t = bt % T, cnt = n[bt];
