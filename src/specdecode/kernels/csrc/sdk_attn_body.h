@@ -253,14 +253,23 @@ static void ATTN(task)(const float *q, long qb, long qt, const float *keys, long
 #endif
     for (int g = 0; g < G; g++)
         for (int p = p0; p < n; p++) w[(long)g * n + p] = ATTN(dot)(qh + (long)g * D, kbase + (long)idx[p] * ks, D) * scale;
+    /* each head's max and sum run over its scores in logical order, one chain per head; the
+     * heads' chains interleaved (key by key across the heads), so the CPU overlaps them instead of
+     * waiting out each add's latency in turn */
+    float mx[G];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY, sums[g] = 0.0f;
+    for (int p = 0; p < n; p++)
+        for (int g = 0; g < G; g++) {
+            const float x = w[(long)g * n + p];
+            mx[g] = x > mx[g] ? x : mx[g];
+        }
     for (int g = 0; g < G; g++) {
-        float *wg = w + (long)g * n, m = -INFINITY, sum = 0.0f;
-        for (int p = 0; p < n; p++) m = wg[p] > m ? wg[p] : m;
-        for (int p = 0; p < n; p++) wg[p] -= m;
+        float *wg = w + (long)g * n;
+        for (int p = 0; p < n; p++) wg[p] -= mx[g];
         ATTN(exp_inplace)(wg, n);
-        for (int p = 0; p < n; p++) sum += wg[p];
-        sums[g] = sum;
     }
+    for (int p = 0; p < n; p++)
+        for (int g = 0; g < G; g++) sums[g] += w[(long)g * n + p];
     /* each output lane: 0 + w_0 v_0 + w_1 v_1 + ... in logical order; 64 lanes at a time held
      * in registers over all the keys (the same sums as adding key by key into memory) */
     float *restrict o = out + (((long)b * T + t) * H + (long)h * G) * D;
