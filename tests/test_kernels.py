@@ -424,10 +424,11 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0, q4_0
-    compared = int(run.stdout.split(" path runs, ")[1].split()[0])
-    assert compared == len(kernels.runnable_isas())  # RoPE + attention ran on every path
+    paths = len(kernels.runnable_isas())
+    rope = int(run.stdout.split(" path runs, ")[1].split()[0])
+    assert rope == 3 * paths  # RoPE + attention ran on every path, in each of its three shapes
     floats = int(run.stdout.split(" rope_attention runs, ")[1].split()[0])
-    assert floats == 4 * 4 * 2 * 3 * 2 * (compared - 1)  # every float case, SIMD path and thread count
+    assert floats == 4 * 4 * 2 * 3 * 2 * (paths - 1)  # every float case, SIMD path and thread count
 
 
 # -- float weights (csrc/sdk_fgemm_body.h) --------------------------------------------------------
