@@ -848,7 +848,7 @@ def prefetch_choice() -> tuple[int, str]:
 
 
 AMX_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48)  # the row counts at which the AMX choices are timed
-NO_AMX = 65  # a threshold above any call's rows (SDK_ROWS = 64 a chunk): the tiles never run
+NO_AMX = 65  # a threshold above SDK_ROWS (64): the tiles never run
 
 
 @functools.cache

@@ -18,6 +18,8 @@
 #define SDK_TILE 16  /* output columns per tile */
 #define SDK_QK 256   /* activation block (one scale) and k-quant super-block */
 #define SDK_ROWS 64  /* rows per chunk (a prefill is tiled over rows by this) */
+#define SDK_AMX_ROWS 256 /* the AMX path's rows per chunk (its tiles take 16 rows at a time; an AMX row
+                          * threshold above SDK_ROWS means never) */
 
 enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4, SDK_Q4_0 = 5 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_ISA_AMX = 4, SDK_NISA = 5 };
@@ -67,7 +69,7 @@ typedef struct {
     int mp;
 } sdk_act;
 
-/* one tile (SDK_TILE columns) for rows [m0, m1) (m1 - m0 <= SDK_ROWS): acc [m1 - m0][SDK_TILE]
+/* one tile (SDK_TILE columns) for rows [m0, m1) (m1 - m0 <= SDK_ROWS; AMX: SDK_AMX_ROWS): acc [m1 - m0][SDK_TILE]
  * receives the products (overwritten). rec: the tile's records, nblk of them. scratch: 16 KiB. */
 typedef void (*sdk_tile_fn)(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1,
                             float *acc, uint8_t *scratch);

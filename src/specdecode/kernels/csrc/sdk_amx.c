@@ -426,8 +426,8 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
 
 void sdk_tile_amx(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                   uint8_t *scratch) {
-    const int rows = m1 - m0;
-    if (rows < sdk_amx_min_rows[type == SDK_Q6K]) {
+    const int rows = m1 - m0, least = sdk_amx_min_rows[type == SDK_Q6K];
+    if (rows < least || least > SDK_ROWS) {
         sdk_tile_avx512vnni(type, rec, nblk, a, m0, m1, acc, scratch);
         return;
     }
@@ -438,7 +438,7 @@ void sdk_tile_amx(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
      * a multiply of up to 8 rows costs the same), the last one reading up to 3 rows of the
      * quantized rows' padding (sdk_quantize keeps 16 more; what lands in those sums is not used) */
     const int chunks = (rows + 15) / 16, ch = (rows + chunks - 1) / chunks;
-    if ((type == SDK_Q4K && rows >= sdk_amx_min_rows[2]) || type == SDK_Q6K) {
+    if ((type == SDK_Q4K && rows >= sdk_amx_min_rows[2] && sdk_amx_min_rows[2] <= SDK_ROWS) || type == SDK_Q6K) {
         /* folded, an even number of chunks (17-32 rows, 49-64): in pairs that share each weight
          * tile load (32 rows 0.89-0.91x the time of two chunks apart, random Q4_K and Q6_K on the
          * AMX Xeon; 20 and 64 rows 0.95-1.0x). Not three chunks as two of 12 and two of 12: a
