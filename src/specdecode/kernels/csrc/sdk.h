@@ -64,7 +64,8 @@ typedef struct {
     int kp;
     /* the AMX path's copy of xq (sdk_quantize for isa amx): per 256 inputs, that block of every
      * row and of 16 rows of padding, [kp / 256][mp][256], so the 16 rows of a tile's load are
-     * 256 bytes apart and a super-block's rows one stream */
+     * 256 bytes apart and a super-block's rows one stream; NULL where the call has fewer rows
+     * than every AMX threshold (the tiles do not run) */
     const int8_t *xt;
     int mp;
 } sdk_act;

@@ -427,7 +427,7 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
 void sdk_tile_amx(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                   uint8_t *scratch) {
     const int rows = m1 - m0, least = sdk_amx_min_rows[type == SDK_Q6K];
-    if (rows < least || least > SDK_ROWS) {
+    if (rows < least || least > SDK_ROWS || !a->xt) { /* no tiles' copy: sdk_quantize judged none would run */
         sdk_tile_avx512vnni(type, rec, nblk, a, m0, m1, acc, scratch);
         return;
     }

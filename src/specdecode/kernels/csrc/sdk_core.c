@@ -23,6 +23,7 @@ extern void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int,
 extern void sdk_tile_amx(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *)
     __attribute__((weak));
 extern void sdk_amx_release(void) __attribute__((weak));
+extern int sdk_get_amx_rows(int) __attribute__((weak));
 
 int sdk_abi_version(void) { return 9; }
 
@@ -108,6 +109,7 @@ int sdk_isa_built(int isa) { return isa >= 0 && isa < SDK_NISA && path(isa) != 0
 /* the calling thread's quantized rows (sdk_quantize writes them, sdk_product reads them; the
  * workers get the pointers) and each thread's pre-pass row */
 static __thread int8_t *t_xq, *t_xt;
+static __thread int t_xt_built; /* sdk_quantize made the tiles' copy of these rows (sdk_act.xt) */
 static __thread float *t_xa;
 static __thread int32_t *t_xs, *t_xp, *t_xw;
 static __thread size_t t_rows_cap, t_kp_cap;
@@ -200,7 +202,13 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
         }
     }
     if (failed) return -3;
-    if (isa == SDK_ISA_AMX) { /* the tiles' copy (sdk_act.xt), its padding rows zero */
+    /* the tiles' copy (sdk_act.xt), its padding rows zero: only where a chunk of these rows can
+     * reach the tiles (fewer rows than every AMX threshold run on AVX-512 VNNI, and a decode
+     * step would copy and clear 4 KiB a super-block for nothing); without it sdk_tile_amx takes
+     * the VNNI path whatever the thresholds say by then */
+    t_xt_built = isa == SDK_ISA_AMX && sdk_get_amx_rows &&
+                 (m >= sdk_get_amx_rows(0) || m >= sdk_get_amx_rows(1));
+    if (t_xt_built) {
         const int mp = m + 16;
         for (int b = 0; b < kp / SDK_QK; b++) {
             int8_t *dst = t_xt + (size_t)b * mp * SDK_QK;
@@ -228,7 +236,7 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
     if (m != t_m || k != t_k) return -1;
     int kp = ((k + SDK_QK - 1) / SDK_QK) * SDK_QK;
     size_t rec = record_bytes(type);
-    sdk_act act = {t_xq, t_xa, t_xs, t_xp, t_xw, kp, t_xt, m + 16};
+    sdk_act act = {t_xq, t_xa, t_xs, t_xp, t_xw, kp, t_xt_built ? t_xt : 0, m + 16};
     sdk_tile_fn fn = path(isa);
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
     if (nthreads < 1) nthreads = 1;
