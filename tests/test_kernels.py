@@ -961,6 +961,30 @@ def test_a_products_bits_do_not_depend_on_how_far_ahead_it_prefetches(isa):
         lib.sdk_set_prefetch_hint(kernels.HINTS.index(hint))
 
 
+@pytest.mark.parametrize("isa", SIMD)
+def test_a_products_bits_do_not_depend_on_which_thread_takes_a_tile(isa):
+    """Threads done with their share of the tiles take the others' last ones (csrc/sdk_core.c):
+    the same bits as each thread kept to its share, and as one thread, at 1-3 threads."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    rng = np.random.default_rng(12)
+    x = rows(rng, 6, 1280)
+    lib = kernels._lib()
+    try:
+        for w in weights(rng, 88, 1280):  # 6 tiles: shares of 2 and 4 or 3 and 3
+            packed = PackedWeight(w)
+            lib.sdk_set_steal(0)
+            want = [kernels.linear(x[:m], packed, isa=isa, threads=1) for m in (1, 2, 6)]
+            for steal, threads in ((0, 2), (1, 2), (1, 3), (0, 3), (1, 1)):
+                lib.sdk_set_steal(steal)
+                for _ in range(3):  # which tiles a thread steals changes from run to run
+                    for i, m in enumerate((1, 2, 6)):
+                        got = kernels.linear(x[:m], packed, isa=isa, threads=threads)
+                        assert torch.equal(got, want[i]), (w.kind, steal, threads, m)
+    finally:
+        lib.sdk_set_steal(1)
+
+
 def test_the_prefetch_hint_is_the_faster_and_the_distance_one_record_unless_another_is_clearly_faster(
     monkeypatch, tmp_path
 ):

@@ -99,6 +99,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_set_prefetch_hint.restype = None
     lib.sdk_evict.argtypes = [P, L]
     lib.sdk_evict.restype = None
+    lib.sdk_set_steal.argtypes = [i]
+    lib.sdk_set_steal.restype = None
     lib.sdk_product.argtypes = [i, P, i, i, i, i, P, L, P, P, L, i, i]
     lib.sdk_linear_ex.argtypes = [i, P, i, i, i, P, L, i, P, L, i, P, f, P, P, L, i, i]
     lib.sdk_rope_attention.argtypes = [

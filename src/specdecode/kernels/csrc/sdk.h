@@ -21,6 +21,15 @@
 #define SDK_AMX_ROWS 256 /* the AMX path's rows per chunk (its tiles take 16 rows at a time; an AMX row
                           * threshold above SDK_ROWS means never) */
 
+#define SDK_MAX_THREADS 64 /* a product's threads at most (their shares of the tiles) */
+
+/* a thread's share of a product's tiles: front (low half) and back (high half), one cache line */
+typedef struct {
+    unsigned long long span;
+    char pad[56];
+} __attribute__((aligned(64))) sdk_share;
+extern int sdk_steal; /* 1: threads done with their share take the others' last tiles (sdk_core.c) */
+
 enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4, SDK_Q4_0 = 5 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_ISA_AMX = 4, SDK_NISA = 5 };
 

@@ -7,6 +7,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include "sdk.h"
 
 void sdk_quantize_row(const float *x, int k, int kp, int8_t *xq, float *xa, int32_t *xs, int32_t *xp);
@@ -221,6 +223,54 @@ int sdk_quantize(const float *x, long ldx, int m, int k, int pre, const float *p
     return 0;
 }
 
+/* Which tiles a product's threads take. Each thread owns a contiguous share of the tiles (one
+ * read stream, which its prefetches and the hardware's follow) and takes them from the front;
+ * a thread whose share is done takes the other shares' tiles from their back, one at a time, so
+ * no thread waits at the product's end while another still has tiles. The share is one 64-bit
+ * word (front in the low half, back in the high half), changed by compare-and-swap, on a cache
+ * line of its own. A tile's result does not depend on which thread computes it: speed only,
+ * never bits. sdk_steal 0 keeps each thread to its share (the static split). */
+int sdk_steal = 1;
+
+void sdk_set_steal(int on) { sdk_steal = on != 0; }
+
+static void share_init(sdk_share *s, int tiles, int nthreads, int i) {
+    unsigned long long f = (unsigned long long)tiles * i / nthreads, b = (unsigned long long)tiles * (i + 1) / nthreads;
+    __atomic_store_n(&s->span, f | (b << 32), __ATOMIC_RELAXED);
+}
+
+/* the front tile of share s, or -1 when it has none left */
+static int take_front(sdk_share *s) {
+    unsigned long long old = __atomic_load_n(&s->span, __ATOMIC_RELAXED);
+    for (;;) {
+        unsigned f = (unsigned)old, b = (unsigned)(old >> 32);
+        if (f >= b) return -1;
+        if (__atomic_compare_exchange_n(&s->span, &old, old + 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int)f;
+    }
+}
+
+/* the back tile of share s, or -1 */
+static int take_back(sdk_share *s) {
+    unsigned long long old = __atomic_load_n(&s->span, __ATOMIC_RELAXED);
+    for (;;) {
+        unsigned f = (unsigned)old, b = (unsigned)(old >> 32);
+        if (f >= b) return -1;
+        unsigned long long nw = (old & 0xffffffffull) | ((unsigned long long)(b - 1) << 32);
+        if (__atomic_compare_exchange_n(&s->span, &old, nw, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int)(b - 1);
+    }
+}
+
+/* thread me's next tile: its own share's front, then (steal) the others' backs, or -1 */
+static int next_tile(sdk_share *share, int me, int n, int steal) {
+    int t = me < n ? take_front(&share[me]) : -1;
+    if (t >= 0 || !steal) return t;
+    for (int i = 1; i < n; i++)
+        if ((t = take_back(&share[(me + i) % n])) >= 0) return t;
+    return -1;
+}
+
 /* y [m, n] (ldy floats apart) = the rows sdk_quantize left on this thread times W^T, W packed as
  * `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs; Q8_0, Q5_0, Q4_0: 32), then + bias [n] and
  * + res [m, n] (ldr floats apart) when given, in that order (one IEEE add each). Returns 0, or
@@ -241,10 +291,15 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
     int tiles = (n + SDK_TILE - 1) / SDK_TILE;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > tiles) nthreads = tiles;
+    sdk_share share[SDK_MAX_THREADS];
+    if (nthreads > SDK_MAX_THREADS) nthreads = SDK_MAX_THREADS;
+    for (int i = 0; i < nthreads; i++) share_init(&share[i], tiles, nthreads, i);
+    const int steal = sdk_steal;
 #pragma omp parallel num_threads(nthreads)
     {
-#pragma omp for schedule(static)
-    for (int t = 0; t < tiles; t++) {
+    /* a team smaller than asked (nested, or a limit): the missing threads' shares are stolen */
+    const int me = omp_get_thread_num(), whole = omp_get_num_threads() == nthreads;
+    for (int t; (t = next_tile(share, me, nthreads, steal || !whole)) >= 0;) {
         uint8_t scratch[16384] __attribute__((aligned(64)));
         /* the AMX path decodes a tile's records once per SDK_AMX_ROWS rows (a 657-token prefill of
          * the 1.5B 0.92x the time of chunks of SDK_ROWS; 512 rows: 0.91x) */
