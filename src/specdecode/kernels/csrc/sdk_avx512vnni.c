@@ -201,17 +201,16 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
     }
 }
 
-/* Q5_0: the nibbles as Q4_K's, the fifth bit moved from bit g of the plane's byte to bit 4;
- * Q4_0 (five = 0): the same nibbles alone, values 0..15 for q + 8 */
-static inline __attribute__((always_inline)) void q50_block(const int five, const int R, const uint8_t *tile,
-                                                            int nblk, const sdk_act *a, int m, int b, float *acc) {
-    const long ints = five ? SDK_Q5_INTS : SDK_Q4_INTS, recb = five ? SDK_Q5_REC : SDK_Q4_REC;
-    const uint8_t *rec = tile + (size_t)b * ints;
-    const long pf = SDK_PF_SMALL(recb);
-    UNROLL(6) for (int i = 0; i < (five ? 6 : 5); i++) PF(tile + pf + (long)b * recb + i * 64);
-    const int kp = a->kp, n16 = kp / 16;
+/* a block of 32's 8 weight vectors (4 inputs x 16 columns each): Q8_0's as stored (q + 128),
+ * Q5_0's nibbles with the fifth bit moved from bit g of the plane's byte to bit 4 (q + 16), Q4_0's
+ * nibbles (q + 8) */
+static inline __attribute__((always_inline)) void decode32(const int type, const uint8_t *rec, __m512i *w) {
+    if (type == SDK_Q8_0) {
+        UNROLL(8) for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(rec + g * 64);
+        return;
+    }
+    const int five = type == SDK_Q5_0;
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-    __m512i w[8], s[ROWS][2];
     const __m512i h = five ? _mm512_loadu_si512(rec + 256) : _mm512_setzero_si512();
     UNROLL(4) for (int i = 0; i < 4; i++) {
         __m512i v = _mm512_loadu_si512(rec + i * 64);
@@ -226,6 +225,18 @@ static inline __attribute__((always_inline)) void q50_block(const int five, cons
             w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
     }
+}
+
+/* Q5_0 and Q4_0 (five = 0) from 7 rows, in groups (decode32's values) */
+static inline __attribute__((always_inline)) void q50_block(const int five, const int R, const uint8_t *tile,
+                                                            int nblk, const sdk_act *a, int m, int b, float *acc) {
+    const long ints = five ? SDK_Q5_INTS : SDK_Q4_INTS, recb = five ? SDK_Q5_REC : SDK_Q4_REC;
+    const uint8_t *rec = tile + (size_t)b * ints;
+    const long pf = SDK_PF_SMALL(recb);
+    UNROLL(6) for (int i = 0; i < (five ? 6 : 5); i++) PF(tile + pf + (long)b * recb + i * 64);
+    const int kp = a->kp, n16 = kp / 16;
+    __m512i w[8], s[ROWS][2];
+    decode32(five ? SDK_Q5_0 : SDK_Q4_0, rec, w);
     UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     UNROLL(8) for (int g = 0; g < 8; g++)
         UNROLL(8) for (int r = 0; r < R; r++)
@@ -250,6 +261,59 @@ static inline __attribute__((always_inline)) void q4_block(const int R, const ui
                                                            const sdk_act *a, int m, int b, float *acc) {
     q50_block(0, R, tile, nblk, a, m, b, acc);
 }
+
+/* Up to 6 rows through a tile's blocks of 32 (Q8_0, Q5_0, Q4_0: a draft model's decode steps and
+ * verifications): each row's float sum stays in a register across the blocks (q50_block stores it
+ * and loads it back every 32 inputs, a store-to-load wait per block and row), and a lone row's
+ * products run as four chains of two. The same integers and the same float operations in the
+ * same order: the same bits. */
+static inline __attribute__((always_inline)) void blocks32_rows(const int type, const int R, const uint8_t *tile,
+                                                                int nblk, const sdk_act *a, int m, float *acc) {
+    const int five = type == SDK_Q5_0, eight = type == SDK_Q8_0;
+    const long ints = eight ? SDK_Q8_INTS : five ? SDK_Q5_INTS : SDK_Q4_INTS;
+    const long recb = eight ? SDK_Q8_REC : five ? SDK_Q5_REC : SDK_Q4_REC;
+    const int lines = eight ? 9 : five ? 6 : 5, off = eight ? 128 : five ? 16 : 8;
+    const int chains = R == 1 ? 4 : R <= 4 ? 2 : 1; /* independent dot-product chains a row */
+    const long pf = SDK_PF_SMALL(recb);
+    const int kp = a->kp;
+    const uint8_t *scales = tile + (size_t)nblk * ints;
+    __m512 y[ROWS];
+    UNROLL(8) for (int r = 0; r < R; r++) y[r] = _mm512_loadu_ps(acc + r * 16);
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *rec = tile + (size_t)b * ints;
+        UNROLL(9) for (int i = 0; i < lines; i++) PF(tile + pf + (long)b * recb + i * 64);
+        __m512i w[8];
+        decode32(type, rec, w);
+        __m512i s[ROWS][4];
+        UNROLL(8) for (int r = 0; r < R; r++) UNROLL(4) for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
+        UNROLL(8) for (int g = 0; g < 8; g++)
+            UNROLL(8) for (int r = 0; r < R; r++)
+                s[r][g % chains] = dpb(s[r][g % chains], w[g], a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
+        const __m512 d = h2f16(scales + (size_t)b * SDK_Q8_SCALES); /* every kind's: 32 bytes */
+        UNROLL(8) for (int r = 0; r < R; r++) {
+            const int32_t *xs = a->xs + (size_t)(m + r) * (kp / 16) + b * 2;
+            __m512i t = s[r][0];
+            if (chains == 4) t = _mm512_add_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_add_epi32(s[r][2], s[r][3]));
+            if (chains == 2) t = _mm512_add_epi32(s[r][0], s[r][1]);
+            __m512i u = _mm512_sub_epi32(t, _mm512_set1_epi32(off * (xs[0] + xs[1])));
+            if (sdk_fault && b == 0 && m + r == 0) u = _mm512_add_epi32(u, fault_lane());
+            const __m512 av = _mm512_set1_ps(a->xa[(size_t)(m + r) * (kp / SDK_QK) + b / 8]);
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(d, av), y[r]);
+        }
+    }
+    UNROLL(8) for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 16, y[r]);
+}
+
+/* blocks32_rows for one kind and 1..6 rows */
+#define SMALL_ROWS(T)                                                          \
+    switch (rows) {                                                            \
+    case 1: blocks32_rows(T, 1, rec, nblk, a, m0, acc); break;                 \
+    case 2: blocks32_rows(T, 2, rec, nblk, a, m0, acc); break;                 \
+    case 3: blocks32_rows(T, 3, rec, nblk, a, m0, acc); break;                 \
+    case 4: blocks32_rows(T, 4, rec, nblk, a, m0, acc); break;                 \
+    case 5: blocks32_rows(T, 5, rec, nblk, a, m0, acc); break;                 \
+    default: blocks32_rows(T, 6, rec, nblk, a, m0, acc); break;                \
+    }
 
 /* rows in groups: of 4 while more than 6 are left, then the rest as one group (a verification
  * of 5 or 6 rows decodes each block once) */
@@ -276,6 +340,14 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
         GROUPS(q4k_block)
     } else if (type == SDK_Q6K) {
         GROUPS(q6k_block)
+    } else if (rows <= ROWS) { /* blocks of 32, 1-6 rows: each row's sum in a register */
+        if (type == SDK_Q5_0) {
+            SMALL_ROWS(SDK_Q5_0)
+        } else if (type == SDK_Q4_0) {
+            SMALL_ROWS(SDK_Q4_0)
+        } else {
+            SMALL_ROWS(SDK_Q8_0)
+        }
     } else if (type == SDK_Q5_0) {
         GROUPS(q5_block)
     } else if (type == SDK_Q4_0) {
