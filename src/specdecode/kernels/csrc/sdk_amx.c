@@ -77,7 +77,8 @@ void sdk_amx_release(void) {
 /* n units: unit u multiplies the activation bytes at a + u * astep (lda apart, rows of the
  * configured shape) by the weight rows at b + u * bstep; its int32 sums go to c + u * 256 (16 per
  * row). Units alternate between the two tile sets so one's store overlaps the next's multiply. */
-static inline void units(int n, const int8_t *a, int astep, long lda, const uint8_t *b, int bstep, int32_t *c) {
+static inline __attribute__((always_inline)) void units_of(const int sw, int n, const int8_t *a, int astep, long lda,
+                                                            const uint8_t *b, int bstep, int32_t *c) {
     int u = 0;
     for (; u + 1 < n; u += 2) {
         _tile_loadd(0, a + (long)u * astep, lda);
@@ -86,8 +87,13 @@ static inline void units(int n, const int8_t *a, int astep, long lda, const uint
         _tile_loadd(3, a + (long)(u + 1) * astep, lda);
         _tile_loadd(4, b + (long)(u + 1) * bstep, 64);
         _tile_zero(5);
-        _tile_dpbsud(2, 0, 1);
-        _tile_dpbsud(5, 3, 4);
+        if (sw) {
+            _tile_dpbssd(2, 0, 1);
+            _tile_dpbssd(5, 3, 4);
+        } else {
+            _tile_dpbsud(2, 0, 1);
+            _tile_dpbsud(5, 3, 4);
+        }
         _tile_stored(2, c + u * 256, 64);
         _tile_stored(5, c + (u + 1) * 256, 64);
     }
@@ -95,9 +101,20 @@ static inline void units(int n, const int8_t *a, int astep, long lda, const uint
         _tile_loadd(0, a + (long)u * astep, lda);
         _tile_loadd(1, b + (long)u * bstep, 64);
         _tile_zero(2);
-        _tile_dpbsud(2, 0, 1);
+        if (sw)
+            _tile_dpbssd(2, 0, 1);
+        else
+            _tile_dpbsud(2, 0, 1);
         _tile_stored(2, c + u * 256, 64);
     }
+}
+
+/* units of unsigned weight bytes; units_signed: of signed ones (tdpbssd) */
+static inline void units(int n, const int8_t *a, int astep, long lda, const uint8_t *b, int bstep, int32_t *c) {
+    units_of(0, n, a, astep, lda, b, bstep, c);
+}
+static inline void units_signed(int n, const int8_t *a, int astep, long lda, const uint8_t *b, int bstep, int32_t *c) {
+    units_of(1, n, a, astep, lda, b, bstep, c);
 }
 
 /* rows c0.. of super-block b in the tiles' copy of the quantized rows (256 bytes apart) */
@@ -309,10 +326,11 @@ static void q4k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
     }
 }
 
-/* Q6_K, always with its int8 sub-block scales folded into the weights as Q4_K's (q4k_fold): value
- * (0..63) times scale (-128..127), at most 8064 in size, split into an unsigned low byte and a
- * signed high byte (tdpbssd); the offset's term (32 x the scales x the rows' sums of 16 codes) as
- * the VNNI path's. Unfolded, its 16 sub-blocks of 16 inputs each took a multiply (a quarter of its
+/* Q6_K, always with its int8 sub-block scales folded into the weights as Q4_K's (q4k_fold): the
+ * signed value (q - 32, from -32 to 31) times its scale (-128..127), -4064..4096, split into an
+ * unsigned low byte and a signed high byte (tdpbssd). The offset is in the weights, so no row pays
+ * the VNNI path's term of 32 x the scales x its sums of 16 codes (8 vpdpwssd a super-block and
+ * row: a 657-token prefill of the 1.5B 0.97x the time). Unfolded, its 16 sub-blocks of 16 inputs each took a multiply (a quarter of its
  * K used) and a store: 0.79-0.97x of the VNNI code at 16-64 rows, folded 0.51-0.62x */
 static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch, int paired,
                      float *acc, uint8_t *wb, int32_t *cb) {
@@ -323,16 +341,16 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
     uint8_t *lo = wb, *hi = wb + 4096;
     for (int b = 0; b < nblk; b++) {
         const uint8_t *rec = tile + (size_t)b * SDK_Q6K_REC, *scales = rec + SDK_Q6K_INTS;
-        __m512i pair[8];
         for (int j = 0; j < 8; j++) {
             const uint8_t *chunk = rec + j * 384;
-            pair[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(scales + j * 32)));
+            const __m512i pr = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(scales + j * 32)));
             /* sub-block 2j's scale (the pair's low word) and 2j + 1's (high word), in both words */
-            const __m512i s0 = _mm512_or_si512(_mm512_and_si512(pair[j], w0), _mm512_slli_epi32(pair[j], 16));
-            const __m512i s1 = _mm512_or_si512(_mm512_srli_epi32(pair[j], 16), _mm512_and_si512(pair[j], w1));
+            const __m512i s0 = _mm512_or_si512(_mm512_and_si512(pr, w0), _mm512_slli_epi32(pr, 16));
+            const __m512i s1 = _mm512_or_si512(_mm512_srli_epi32(pr, 16), _mm512_and_si512(pr, w1));
             /* the scales as vpmaddubsw's signed bytes: in the even (e) or odd (o) byte of each word */
             const __m512i e0 = _mm512_and_si512(s0, m8), o0 = _mm512_slli_epi16(e0, 8);
             const __m512i e1 = _mm512_and_si512(s1, m8), o1 = _mm512_slli_epi16(e1, 8);
+            const __m512i t0 = _mm512_slli_epi16(s0, 5), t1 = _mm512_slli_epi16(s1, 5); /* 32 x the scale */
             __m512i h0 = _mm512_loadu_si512(chunk + 256), h1 = _mm512_loadu_si512(chunk + 320);
             PF2(chunk + pf + 256);
             PF2(chunk + pf + 320);
@@ -344,10 +362,14 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
                 __m512i b1 = i < 2 ? _mm512_slli_epi16(h1, 4 - 2 * i) : (i == 2 ? h1 : _mm512_srli_epi16(h1, 2));
                 __m512i wa = _mm512_ternarylogic_epi32(v, _mm512_and_si512(b0, bits45), low4, 0xEC);
                 __m512i wz = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(b1, bits45), low4, 0xEC);
-                split_store(_mm512_maddubs_epi16(wa, e0), _mm512_maddubs_epi16(wa, o0), lo + j * 512 + i * 64,
-                            hi + j * 512 + i * 64);
-                split_store(_mm512_maddubs_epi16(wz, e1), _mm512_maddubs_epi16(wz, o1), lo + j * 512 + (i + 4) * 64,
-                            hi + j * 512 + (i + 4) * 64);
+                __m512i pa = _mm512_maddubs_epi16(wa, e0), qa = _mm512_maddubs_epi16(wa, o0);
+                __m512i pz = _mm512_maddubs_epi16(wz, e1), qz = _mm512_maddubs_epi16(wz, o1);
+                pa = _mm512_sub_epi16(pa, t0); /* (q - 32) x scale */
+                qa = _mm512_sub_epi16(qa, t0);
+                pz = _mm512_sub_epi16(pz, t1);
+                qz = _mm512_sub_epi16(qz, t1);
+                split_store(pa, qa, lo + j * 512 + i * 64, hi + j * 512 + i * 64);
+                split_store(pz, qz, lo + j * 512 + (i + 4) * 64, hi + j * 512 + (i + 4) * 64);
             }
         }
         const __m512 d = h2f16(scales + 256);
@@ -356,11 +378,7 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
             FOLD_CHUNK(_tile_dpbssd, c0);
             for (int r = 0; r < rows; r++) {
                 const int m = c0 + r;
-                const int32_t *xw = a->xw + (size_t)m * (kp / 32) + b * 8;
                 __m512i isum = folded_sum(cb, r, ch);
-                __m512i off = _mm512_setzero_si512();
-                for (int j = 0; j < 8; j++) off = dpw(off, pair[j], xw + j);
-                isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
                 if (sdk_fault && b == 0 && m == 0) isum = _mm512_add_epi32(isum, fault_lane());
                 store_row(acc + (m - m0) * 16, isum, d, 0, d, a->xa[(size_t)m * (kp / SDK_QK) + b]);
             }
@@ -368,8 +386,11 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
     }
 }
 
+#define UNROLL8 _Pragma("GCC unroll 8")
 /* blocks of 32 (Q8_0, Q5_0, Q4_0), 8 at a time (one activation block): Q8_0's integers are the
- * tile layout already (values q + 128), the others are decoded (q + 16, q + 8) */
+ * tile layout already (values q + 128, less 128 x the row's sum of codes afterwards), the others
+ * are decoded to their signed values q (tdpbssd: no offset term, a row's epilogue 0.91x the
+ * 0.5B's 657-token prefill), and the blocks' scales are converted once for every row (0.93x) */
 static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch,
                      float *acc, uint8_t *wb, int32_t *cb) {
     const int kp = a->kp, n16 = kp / 16;
@@ -377,7 +398,8 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
     const long recb = type == SDK_Q8_0 ? SDK_Q8_REC : type == SDK_Q5_0 ? SDK_Q5_REC : SDK_Q4_REC;
     const int lines = type == SDK_Q8_0 ? 9 : type == SDK_Q5_0 ? 6 : 5, off = type == SDK_Q8_0 ? 128 : type == SDK_Q5_0 ? 16 : 8;
     const long pf = SDK_PF_SMALL(recb);
-    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), offv = _mm512_set1_epi8((char)off);
+    const int sw = type != SDK_Q8_0; /* Q8_0's bytes go to the tiles as stored: q + 128 */
     for (int g0 = 0; g0 < nblk; g0 += 8) {
         const int nb = nblk - g0 < 8 ? nblk - g0 : 8;
         for (int e = 0; e < nb; e++) {
@@ -396,15 +418,24 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
                     lo = _mm512_and_si512(v, low4);
                     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
+                if (sw) { /* the signed values q (tdpbssd): no offset term */
+                    lo = _mm512_sub_epi8(lo, offv);
+                    hi = _mm512_sub_epi8(hi, offv);
+                }
                 _mm512_store_si512(wb + e * 512 + i * 64, lo);
                 _mm512_store_si512(wb + e * 512 + (i + 4) * 64, hi);
             }
         }
         const uint8_t *wts = type == SDK_Q8_0 ? tile + (size_t)g0 * SDK_Q8_INTS : wb;
         const uint8_t *scales = tile + (size_t)nblk * ints + (size_t)g0 * SDK_Q8_SCALES;
+        __m512 d[8]; /* the blocks' scales, once for every row */
+        UNROLL8 for (int e = 0; e < 8; e++) d[e] = h2f16(scales + (e < nb ? e : 0) * SDK_Q8_SCALES);
         for (int c0 = m0; c0 < m1; c0 += ch) {
             const int rows = m1 - c0 < ch ? m1 - c0 : ch;
-            units(nb, xrows(a, c0, g0 / 8), 32, SDK_QK, wts, 512, cb);
+            if (sw)
+                units_signed(nb, xrows(a, c0, g0 / 8), 32, SDK_QK, wts, 512, cb);
+            else
+                units(nb, xrows(a, c0, g0 / 8), 32, SDK_QK, wts, 512, cb);
             for (int r = 0; r < rows; r++) {
                 const int m = c0 + r;
                 const __m512 av = _mm512_set1_ps(a->xa[(size_t)m * (kp / SDK_QK) + g0 / 8]);
@@ -412,11 +443,10 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
                 float *y = acc + (m - m0) * 16;
                 __m512 yv = _mm512_loadu_ps(y);
                 for (int e = 0; e < nb; e++) {
-                    __m512i u = _mm512_sub_epi32(_mm512_load_si512(cb + e * 256 + r * 16),
-                                                 _mm512_set1_epi32(off * (xs[2 * e] + xs[2 * e + 1])));
+                    __m512i u = _mm512_load_si512(cb + e * 256 + r * 16);
+                    if (!sw) u = _mm512_sub_epi32(u, _mm512_set1_epi32(off * (xs[2 * e] + xs[2 * e + 1])));
                     if (sdk_fault && g0 + e == 0 && m == 0) u = _mm512_add_epi32(u, fault_lane());
-                    const __m512 d = h2f16(scales + e * SDK_Q8_SCALES);
-                    yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(d, av), yv);
+                    yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(d[e], av), yv);
                 }
                 _mm512_storeu_ps(y, yv);
             }
