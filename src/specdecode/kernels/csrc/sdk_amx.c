@@ -389,8 +389,9 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
 #define UNROLL8 _Pragma("GCC unroll 8")
 /* blocks of 32 (Q8_0, Q5_0, Q4_0), 8 at a time (one activation block): Q8_0's integers are the
  * tile layout already (values q + 128, less 128 x the row's sum of codes afterwards), the others
- * are decoded to their signed values q (tdpbssd: no offset term, a row's epilogue 0.91x the
- * 0.5B's 657-token prefill), and the blocks' scales are converted once for every row (0.93x) */
+ * are decoded to their signed values q (tdpbssd: the rows pay no offset term; the 0.5B's
+ * 657-token prefill 0.91x the time), and the blocks' scales are converted once for every row
+ * (0.93x) */
 static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch,
                      float *acc, uint8_t *wb, int32_t *cb) {
     const int kp = a->kp, n16 = kp / 16;
