@@ -109,12 +109,9 @@ static inline __attribute__((always_inline)) void units_of(const int sw, int n, 
     }
 }
 
-/* units of unsigned weight bytes; units_signed: of signed ones (tdpbssd) */
+/* units of unsigned weight bytes (units_of with sw 1: signed ones, tdpbssd) */
 static inline void units(int n, const int8_t *a, int astep, long lda, const uint8_t *b, int bstep, int32_t *c) {
     units_of(0, n, a, astep, lda, b, bstep, c);
-}
-static inline void units_signed(int n, const int8_t *a, int astep, long lda, const uint8_t *b, int bstep, int32_t *c) {
-    units_of(1, n, a, astep, lda, b, bstep, c);
 }
 
 /* rows c0.. of super-block b in the tiles' copy of the quantized rows (256 bytes apart) */
@@ -330,8 +327,9 @@ static void q4k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
  * signed value (q - 32, from -32 to 31) times its scale (-128..127), -4064..4096, split into an
  * unsigned low byte and a signed high byte (tdpbssd). The offset is in the weights, so no row pays
  * the VNNI path's term of 32 x the scales x its sums of 16 codes (8 vpdpwssd a super-block and
- * row: a 657-token prefill of the 1.5B 0.97x the time). Unfolded, its 16 sub-blocks of 16 inputs each took a multiply (a quarter of its
- * K used) and a store: 0.79-0.97x of the VNNI code at 16-64 rows, folded 0.51-0.62x */
+ * row: a 657-token prefill of the 1.5B 0.97x the time). Unfolded, its 16 sub-blocks of 16 inputs
+ * each took a multiply (a quarter of its K used) and a store: 0.79-0.97x of the VNNI code at 16-64
+ * rows, folded 0.51-0.62x */
 static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch, int paired,
                      float *acc, uint8_t *wb, int32_t *cb) {
     const int kp = a->kp;
@@ -433,10 +431,7 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
         UNROLL8 for (int e = 0; e < 8; e++) d[e] = h2f16(scales + (e < nb ? e : 0) * SDK_Q8_SCALES);
         for (int c0 = m0; c0 < m1; c0 += ch) {
             const int rows = m1 - c0 < ch ? m1 - c0 : ch;
-            if (sw)
-                units_signed(nb, xrows(a, c0, g0 / 8), 32, SDK_QK, wts, 512, cb);
-            else
-                units(nb, xrows(a, c0, g0 / 8), 32, SDK_QK, wts, 512, cb);
+            units_of(sw, nb, xrows(a, c0, g0 / 8), 32, SDK_QK, wts, 512, cb);
             for (int r = 0; r < rows; r++) {
                 const int m = c0 + r;
                 const __m512 av = _mm512_set1_ps(a->xa[(size_t)m * (kp / SDK_QK) + g0 / 8]);
