@@ -147,6 +147,7 @@ JOINT_CASES = [
     ("suffix", {"k": 3}, [1, 2, 3, 4, 1, 2, 3]),
     ("draft", {"k": 2, "draft_dtype": "int4"}, PROMPT),
     ("draft", {"k": 2, "draft_dtype": "kq4"}, PROMPT),  # the kernel's Q4_0 blocks
+    ("draft", {"k": 2, "draft_dtype": "kq3"}, PROMPT),  # its 3-bit Q3_0 blocks (gate|up)
     ("draft", {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"}, [5, 9, 2, 7, 1, 3, 5, 9]),
     ("eagle3", {"tree": "2,2", "draft_dtype": "int4"}, PROMPT),
     ("draft", {"k": 2, "draft_vocab": 10}, PROMPT),
@@ -164,6 +165,7 @@ NEGATIVE_CASES = [JOINT_CASES[i] for i in (0, 1, 2)] + [
     in (
         {"k": 2, "draft_dtype": "int4"},
         {"k": 2, "draft_dtype": "kq4"},
+        {"k": 2, "draft_dtype": "kq3"},
         {"k": 2, "draft_dtype": "int4", "prefill_dtype": "w8a8"},
     )
 ]
@@ -259,6 +261,7 @@ INVARIANT_CASES = [
     ("auto", {"k": 4, "with_draft": True}),
     ("draft", {"k": 4, "draft_dtype": "int4"}),
     ("draft", {"k": 4, "draft_dtype": "kq4"}),
+    ("draft", {"k": 4, "draft_dtype": "kq3"}),
     ("draft", {"k": 4, "draft_vocab": 40}),
 ]
 INVARIANT = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, sampling_rule="invariant")

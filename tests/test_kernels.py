@@ -48,6 +48,7 @@ def weights(rng: np.random.Generator, n: int, k: int) -> list[BlockWeight]:
         random_q6_k(n, k, rng),
         kernels._q5_0_of(w, rng),
         kernels._q4_0_of(w, rng),
+        kernels._blocks32_of(w, rng, "q3_0"),
     ]
 
 
@@ -254,6 +255,37 @@ def test_blocks_decode_as_the_gguf_library_decodes_them():
         assert np.array_equal(BlockWeight("q4_0", raw, 512).dequantize(), want)
 
 
+def test_q3_0_blocks_hold_their_documented_bytes_and_round_to_nearest_in_three_bits():
+    """Q3_0, specdecode's own block (no GGUF type to check it against): its bytes decode by the
+    layout kernels/blocks.py documents, read here bit by bit, and its rounding puts every weight
+    within half a step of its value (the block's largest magnitude exactly), except the values
+    of the other sign beyond three steps, which clip to the third."""
+    from specdecode.kernels.blocks import quantize_q3_0
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 300)).astype(np.float32)  # 300: the last block padded
+    w[0, :32] = np.linspace(-1, 1, 32)
+    q = quantize_q3_0(w)
+    assert q.raw.shape == (24, 10 * 14)
+    blocks = q.raw.reshape(24, 10, 14)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    u = np.zeros((24, 10, 32), np.int64)
+    for i in range(32):
+        third = (blocks[..., 2 + i // 8] >> (i % 8)) & 1
+        low = (blocks[..., 6 + i % 8] >> (2 * (i // 8))) & 3
+        u[..., i] = low | (third.astype(np.int64) << 2)
+    mine = ((u - 4) * d[..., None]).reshape(24, -1)[:, :300]
+    assert np.array_equal(q.dequantize(), mine.astype(np.float32))
+    wp = np.pad(w, ((0, 0), (0, 20))).reshape(24, 10, 32)
+    m = np.take_along_axis(wp, np.abs(wp).argmax(-1)[..., None], -1)[..., 0]
+    assert np.allclose(d, (m / -4).astype(np.float16).astype(np.float32))
+    err = np.abs(mine - w)
+    step = np.repeat(np.abs(d), 32, -1)[:, :300]
+    clipped = (u.reshape(24, -1)[:, :300] == 7) & (w / np.repeat(d, 32, -1)[:, :300] > 3.5)
+    assert (err[~clipped] <= step[~clipped] * 0.5 * (1 + 1e-3) + 1e-6).all()
+    assert (err[clipped] <= step[clipped] * (1 + 1e-3)).all() and clipped.any()
+
+
 def test_a_q6_k_block_reads_as_one_stream_its_record_holds_its_scales():
     """Each Q6_K block's integers and scales sit in one record of whole cache lines (a thread
     reads one stream; with a tile's scales kept after all its integers the one-row head ran at
@@ -425,7 +457,7 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"},
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0, q4_0
+    assert run.stdout.startswith(f"{count} cases")  # every format: q4_k, q8_0, q6_k, q5_0, q4_0, q3_0
     paths = len(kernels.runnable_isas())
     rope = int(run.stdout.split(" path runs, ")[1].split()[0])
     assert rope == 3 * paths  # RoPE + attention ran on every path, in each of its three shapes
@@ -802,6 +834,29 @@ def test_two_token_check_through_the_kernel_catches_resampling_from_p(kq_v16, mo
     assert not ok, msg
 
 
+# kq3 on a 256-wide model with a 64- or 96-wide MLP: gate|up in Q3_0, the rest as kq4 (Q4_K where
+# the input width is 256, Q4_0 for down's)
+KQ3_LAYOUTS = {
+    ("qkv", "kq:q4_k"),
+    ("o", "kq:q4_k"),
+    ("gate_up", "kq:q3_0"),
+    ("down", "kq:q4_0"),
+    ("head", "kq:q4_k"),
+}
+
+
+def test_greedy_speculation_with_a_kq3_draft_gives_the_targets_tokens(kq_pair):
+    target, draft = kq_pair
+    d3 = load(draft.path, quant="kq3")
+    assert {(n.split(".")[-1], lin.layout) for n, lin in d3.linears()} == KQ3_LAYOUTS
+    assert d3.fused_layers and d3.kernel_attention
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    got = SpeculativeGenerator(target, draft=d3, method="draft", k=3).generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """A random Qwen2 GGUF with the real pair's tensor types (Q4_K, Q6_K, Q5_0, Q8_0)."""
@@ -858,6 +913,33 @@ def test_a_kq4_draft_keeps_the_files_q4_k_rounds_the_rest_to_q4_0_and_the_target
             assert np.array_equal(kq4[name].raw, quantize_q4_0(kq[name].dequantize()).raw), name
             rounded.add(kq.type_of(name))
     assert {"Q6_K", "Q8_0"} <= rounded
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 70, 3], [200, 9, 41, 17]]
+    want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]
+    got = SpeculativeGenerator(target, draft=draft, method="draft", k=3).generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+
+
+def test_a_kq3_draft_rounds_a_files_gate_and_up_to_q3_0_keeps_the_rest_as_kq4_and_the_targets_tokens(
+    tiny_gguf, tmp_path, monkeypatch
+):
+    from specdecode.kernels.blocks import quantize_q3_0
+    from specdecode.models.gguf_quant import GGUFQWeights
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    kq, kq4, kq3 = (GGUFQWeights(tiny_gguf, f) for f in ("kq", "kq4", "kq3"))
+    mlp = 0
+    for name in kq:
+        if not isinstance(kq[name], BlockWeight):
+            continue
+        if name.split(".")[-2] in ("gate_proj", "up_proj"):
+            assert np.array_equal(kq3[name].raw, quantize_q3_0(kq[name].dequantize()).raw), name
+            mlp += 1
+        else:
+            assert kq3[name].kind == kq4[name].kind and np.array_equal(kq3[name].raw, kq4[name].raw), name
+    assert mlp >= 2
+    target, draft = load(str(tiny_gguf), quant="kq"), load(str(tiny_gguf), quant="kq3")
+    assert {lin.layout for n, lin in draft.linears() if n.endswith("gate_up")} == {"kq:q3_0"}
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     prompts = [[5, 70, 3], [200, 9, 41, 17]]
     want = [r.token_ids for r in SpeculativeGenerator(target).generate(prompts, params)]

@@ -45,7 +45,7 @@ from .paths import cpu_name
 # candidates a measurement weighs (q4_k and q8_0 run the int4 / int8 kernels of the GGUF's own
 # blocks: pin them with --dtype; fp16 has no fast CPU kernel)
 TARGET_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq")
-DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq", "kq4")
+DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq", "kq4", "kq3")
 CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
 HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
 ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
@@ -196,7 +196,7 @@ def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen)
     import torch
 
     from .models.linear import Linear
-    from .models.quant import QUANT_KINDS, DynamicInt8Linear, QuantLinear, QWeight
+    from .models.quant import KERNEL_KINDS, QUANT_KINDS, DynamicInt8Linear, QuantLinear, QWeight
 
     spec = FORMATS[fmt]
     made = []
@@ -205,10 +205,10 @@ def _layer_linears(shapes: Shapes, fmt: str, out_in: list[tuple[int, int]], gen)
             w = torch.randn(out, inp, generator=gen).mul_(0.02).to(getattr(torch, spec.activations))
             made.append(Linear(w))
             continue
-        if spec.quant in ("kq", "kq4"):  # random blocks of the format a load gives this width
+        if spec.quant in KERNEL_KINDS:  # random blocks of the format a load gives this width
             from .models.kernel_linear import KernelLinear, random_blocks
 
-            narrow = "q4_0" if spec.quant == "kq4" else shapes.narrow
+            narrow = {"kq4": "q4_0", "kq3": "q3_0"}.get(spec.quant, shapes.narrow)
             seed = int(torch.randint(1 << 30, (1,), generator=gen))
             made.append(KernelLinear(random_blocks(out, inp, seed, narrow)))
             continue
@@ -257,7 +257,8 @@ def measure(
         copies = int(min(shapes.layers, max(1, -(-CACHED_BYTES // layer_bytes))))
         layers = _layer_linears(shapes, fmt, shapes.layer_matrices() * copies, gen)
         head_rows = max(16, shapes.vocab // HEAD_SLICE)
-        head = _layer_linears(shapes, fmt, [(head_rows, shapes.hidden)], gen)
+        # kq3 keeps its head in kq4's blocks (models/llama.py)
+        head = _layer_linears(shapes, "kq4" if fmt == "kq3" else fmt, [(head_rows, shapes.hidden)], gen)
         if FORMATS[fmt].quant == "w8a8":  # each shape's int8 kernel per row count, as a load chooses it
             from .models.quant import choose_int8_kernels
 

@@ -61,6 +61,11 @@ FORMATS: dict[str, WeightFormat] = {
             "specdecode's kernel in 4 bits: a GGUF's Q4_K, Q6_K, Q4_0; the rest rounded to Q4_0 (drafts)",
             openvino=False,
         ),
+        WeightFormat(
+            "kq3", "float32", "kq3", 0.375 + 2 / 32,
+            "specdecode's kernel in 3 bits: float weights rounded to Q3_0, the head to Q4_0 (drafts)",
+            openvino=False,
+        ),
         WeightFormat("q4_k", "bfloat16", "q4_k", 0.5 + 12 / 256, "a GGUF's Q4_K blocks", True, False, False),
         WeightFormat("q8_0", "bfloat16", "q8_0", 1 + 2 / 32, "a GGUF's Q8_0 blocks", True, False, False),
     )

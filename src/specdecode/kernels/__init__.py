@@ -596,7 +596,7 @@ def _check_cases(gen: np.random.Generator):
         x[0], x[1] = 1.0, -1.0
         x[2, ::2], x[2, 1::2] = 1.0, -1.0
         weights = (quantize_q4_k(w), quantize_q8_0(w), _q6_k_of(w, gen), _q5_0_of(w, gen), _q4_0_of(w, gen))
-        for weight in weights:
+        for weight in (*weights, _blocks32_of(w, gen, "q3_0")):
             yield weight, torch.from_numpy(x)
 
 
@@ -623,8 +623,8 @@ def _q4_0_of(w: np.ndarray, gen: np.random.Generator) -> BlockWeight:
 
 
 def _blocks32_of(w: np.ndarray, gen: np.random.Generator, kind: str) -> BlockWeight:
-    """Random blocks of 32 with an fp16 d first (Q5_0, Q4_0): every other byte 0xFF in row 0, 0
-    in row 1, small positive scales."""
+    """Random blocks of 32 with an fp16 d first (Q5_0, Q4_0, Q3_0): every other byte 0xFF in row 0
+    (every value the largest), 0 in row 1, small positive scales."""
     from .blocks import BLOCK
 
     n, k = w.shape

@@ -1,5 +1,5 @@
 """GGUF block formats as the kernel reads them: decoding a file's Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0
-rows, quantizing float rows to Q4_K, Q8_0 or Q4_0, and repacking rows into the kernel's tiles.
+rows, quantizing float rows to Q4_K, Q8_0, Q4_0 or Q3_0, and repacking rows into the kernel's tiles.
 
 A `BlockWeight` is a matrix as a GGUF stores it: `raw` [rows, bytes per row] in llama.cpp's own
 block layout, so a file's tensor is used byte for byte (rows may be reordered, stacked or
@@ -15,6 +15,10 @@ high 2-bit pairs, 16 int8 scales (one per 16), fp16 d; w = d * sc * (q - 32). Q8
 32: fp16 d, 32 int8; w = d * q. Q5_0, 22 bytes per 32: fp16 d, 32 fifth bits, 16 bytes of nibbles
 (inputs 0..15 low, 16..31 high); w = d * (u - 16). Q4_0, 18 bytes per 32: fp16 d, 16 bytes of
 nibbles (as Q5_0's); w = d * (u - 8).
+
+Q3_0 is specdecode's own block (no GGUF type has it; a draft's 3.5 bits a weight, `kq3`): 14 bytes
+per 32: fp16 d, 4 bytes of third bits (bit i: input i), 8 bytes of 2-bit values (byte j, bits 2t,
+2t + 1: input 8t + j); w = d * (u - 4), u in 0..7.
 """
 
 from __future__ import annotations
@@ -27,15 +31,23 @@ from ..errors import SpecDecodeError
 
 TILE = 16
 # inputs, bytes
-BLOCK = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34), "q5_0": (32, 22), "q4_0": (32, 18)}
+BLOCK = {
+    "q4_k": (256, 144),
+    "q6_k": (256, 210),
+    "q8_0": (32, 34),
+    "q5_0": (32, 22),
+    "q4_0": (32, 18),
+    "q3_0": (32, 14),
+}
 RECORD = {
     "q4_k": 2048 + 128 + 128 + 32 + 32,
     "q6_k": 2048 + 1024 + 256 + 32 + 32,
     "q8_0": 512 + 32,
     "q5_0": 320 + 32,
     "q4_0": 256 + 32,
+    "q3_0": 192 + 32,
 }
-CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3, "q5_0": 4, "q4_0": 5}  # sdk.h's SDK_Q4K .. SDK_Q4_0
+CODE = {"q4_k": 1, "q6_k": 2, "q8_0": 3, "q5_0": 4, "q4_0": 5, "q3_0": 6}  # sdk.h's SDK_Q4K .. SDK_Q3_0
 
 
 @dataclass
@@ -90,6 +102,9 @@ class BlockWeight:
         elif self.kind == "q4_0":
             d, u = _q4_0_fields(self.raw)
             w = (u.astype(np.float32) - 8) * d[..., None]
+        elif self.kind == "q3_0":
+            d, u = _q3_0_fields(self.raw)
+            w = (u.astype(np.float32) - 4) * d[..., None]
         elif self.kind == "q4_k":
             d, dmin, sc, mn, q = _q4_k_fields(self.raw)
             scale = (d[..., None] * sc).repeat(32, -1)  # [n, nb, 256]
@@ -106,7 +121,7 @@ class BlockWeight:
         pad = -self.raw.shape[0] % TILE
         raw = np.concatenate([self.raw, np.zeros((pad, self.raw.shape[1]), np.uint8)]) if pad else self.raw
         tiles = {"q4_k": _tiles_q4_k, "q6_k": _tiles_q6_k, "q8_0": _tiles_q8_0, "q5_0": _tiles_q5_0}
-        return {**tiles, "q4_0": _tiles_q4_0}[self.kind](raw)
+        return {**tiles, "q4_0": _tiles_q4_0, "q3_0": _tiles_q3_0}[self.kind](raw)
 
 
 class _Stacked(BlockWeight):
@@ -204,6 +219,39 @@ def _q4_0_fields(raw):
     b = _blocks(raw, "q4_0")
     qs = b[..., 2:18]
     return _f16(b, 0).astype(np.float32), np.concatenate([qs & 15, qs >> 4], -1)
+
+
+def _q3_0_fields(raw):
+    """Q3_0 rows (14 bytes per 32: fp16 d, 4 bytes of third bits, 8 of 2-bit values; module
+    docstring) -> d [n, nb] and the values u [n, nb, 32] (0..7)."""
+    b = _blocks(raw, "q3_0")
+    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, nb, 1]
+    bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    qs = b[..., 6:14]  # byte j: inputs j, 8 + j, 16 + j, 24 + j
+    low = np.concatenate([(qs >> (2 * t)) & 3 for t in range(4)], -1)
+    return _f16(b, 0).astype(np.float32), low | (bits << 2)
+
+
+def quantize_q3_0(w: np.ndarray) -> BlockWeight:
+    """Float [rows, k] -> Q3_0 as Q4_0 is rounded, in 3 bits: per 32 inputs d = m / -4 with m the
+    value of largest magnitude, u = min(7, trunc(w / d + 4.5)) (so m is exact). A search for the
+    scale of least squared error gave no better acceptance to the 0.5B draft (benchmarks/NOTES.md,
+    issue 53, sixteenth session)."""
+    n, k = w.shape
+    out = np.empty((n, -(-k // 32) * 14), np.uint8)
+    for r0 in range(0, n, 1024):  # in slices: a float copy of a slice at a time
+        x = np.pad(w[r0 : r0 + 1024].astype(np.float32), ((0, 0), (0, -k % 32)))
+        x = x.reshape(x.shape[0], -1, 32)
+        m = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+        d = m / -4
+        inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0).astype(np.float32)
+        u = np.clip(np.trunc(x * inv[..., None] + 4.5), 0, 7).astype(np.uint8)
+        qh = ((u >> 2).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+        low = (u & 3).reshape(*u.shape[:2], 4, 8)
+        qs = low[..., 0, :] | (low[..., 1, :] << 2) | (low[..., 2, :] << 4) | (low[..., 3, :] << 6)
+        parts = [d.astype(np.float16)[..., None].view(np.uint8), qh[..., None].view(np.uint8), qs]
+        out[r0 : r0 + 1024] = np.concatenate(parts, -1).reshape(x.shape[0], -1)
+    return BlockWeight("q3_0", out, k)
 
 
 def quantize_q4_0(w: np.ndarray) -> BlockWeight:
@@ -334,6 +382,19 @@ def _tiles_q4_0(raw):
     nib = (u[..., 0, :, :] | (u[..., 1, :, :] << 4)).transpose(0, 2, 3, 1, 4).reshape(t, nb, 256)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
     return _ints_then_scales(nib, f16)
+
+
+def _tiles_q3_0(raw):
+    d, u = _q3_0_fields(raw)
+    t, nb = raw.shape[0] // TILE, u.shape[1]
+    u = u.reshape(t, TILE, nb, 2, 4, 4)  # tile, row, block, j, i, kk: input 4 (4 j + i) + kk
+    low = sum((u[..., i, :] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [t, 16, nb, 2, 4]
+    low = low.transpose(0, 2, 3, 1, 4).reshape(t, nb, 128)
+    g = u.reshape(t, TILE, nb, 8, 4) >> 2  # the third bit of input 4 g + kk
+    plane = sum(g[:, :, :, j, :] << j for j in range(8)).astype(np.uint8)  # [t, 16, nb, 4]
+    plane = plane.transpose(0, 2, 1, 3).reshape(t, nb, 64)
+    f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
+    return _ints_then_scales(np.concatenate([low, plane], -1), f16)
 
 
 def check_kind(kind: str) -> str:

@@ -14,7 +14,7 @@ from ..formats import BACKENDS, GGUF_FORMATS
 from .base import PLAIN, WITH_HIDDEN, CausalLM, ForwardMeta, extend, logits_of
 from .hf import HFModel
 from .llama import LlamaConfig, LlamaModel, return_freed_memory
-from .quant import QUANT_KINDS
+from .quant import KERNEL_KINDS, QUANT_KINDS
 from .tokenizer import TextTokenizer
 from .zoo import ZOO, ChunkedZooModel, ZooModel, cache_dir
 
@@ -262,7 +262,7 @@ def load(
         backend = "lean"
     path = resolve(name_or_path, dtype if quant is None else torch.bfloat16)
     fmt = quant
-    if quant in GGUF_QUANTS or (quant in ("kq", "kq4") and gguf_source(name_or_path) is not None):
+    if quant in GGUF_QUANTS or (quant in KERNEL_KINDS and gguf_source(name_or_path) is not None):
         qweights, quant = _gguf_qweights(str(name_or_path), quant)
     try:
         cfg = json.loads((path / "config.json").read_text())

@@ -33,7 +33,7 @@ import torch
 from ..errors import SpecDecodeError
 from .base import ForwardMeta
 from .linear import Linear
-from .quant import QUANT_KINDS, linear_nbytes, quantized_linear
+from .quant import QUANT_KINDS, linear_nbytes, part_kind, quantized_linear
 
 VOCAB_DIR = Path(__file__).parent / "vocab"
 # shipped frequency-ranked lists, usable by name (`--draft-vocab qwen2.5-coder`): built by
@@ -146,6 +146,7 @@ class ReducedHeadModel:
             return
         rows = model.lm_head.index_select(0, ids)
         # the head in the draft's own format (a GGUF-quantized draft's: int8)
+        kind = part_kind(kind, "head")
         self._head = Linear(rows.clone()) if kind is None else quantized_linear([rows.float()], None, kind)
 
     def __getattr__(self, name: str):
@@ -157,7 +158,8 @@ class ReducedHeadModel:
 
     def quantize(self, kind: str):
         self.inner.quantize(kind)
-        self._head = quantized_linear([self.inner.lm_head.index_select(0, self.ids).float()], None, kind)
+        head = part_kind(kind, "head")
+        self._head = quantized_linear([self.inner.lm_head.index_select(0, self.ids).float()], None, head)
         return self
 
     def choose_heads(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:

@@ -17,7 +17,8 @@ bit for bit: the very weights llama.cpp reads. Any other type (F16, Q4_1, ...) i
 rounded to Q8_0, said once per file on stderr. `kq4` (a draft's format) keeps Q4_K and Q4_0 and
 rounds every other matrix to Q4_0, Q6_K included: a draft's bytes are its speed, and its weights
 never change the output (benchmarks/NOTES.md, issue 53: the 0.5B's Q6_K down projections as Q4_0
-took 5% off its drafting time a round, tau -1%).
+took 5% off its drafting time a round, tau -1%). `kq3` is kq4 with the MLP's gate and up
+projections rounded to specdecode's 3-bit Q3_0 (models/quant.py part_kind).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
-from ..kernels.blocks import BlockWeight, quantize_q4_0, quantize_q8_0
+from ..kernels.blocks import BlockWeight, quantize_q3_0, quantize_q4_0, quantize_q8_0
 from ..kernels.store import cached, source_tag
 from .gguf_import import _field, _require_gguf, hf_name, unpermute_rope
-from .quant import QWeight, _bf16
+from .quant import KERNEL_KINDS, QWeight, _bf16
 
 # what a fmt keeps as is: GGUF type name -> our format
 KEEPS = {
@@ -44,6 +45,7 @@ KEEPS = {
     "q8_0": (),
     "kq": ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"),
     "kq4": ("Q4_K", "Q4_0"),
+    "kq3": ("Q4_K", "Q4_0"),  # and the MLP's gate and up rounded to Q3_0 (models/quant.py part_kind)
 }
 FALLBACK = "int8"  # every other matrix (kq: Q8_0)
 
@@ -113,8 +115,8 @@ class GGUFQWeights(Mapping):
         t = self.tensors[name]
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
         kind = t.tensor_type.name
-        if self.fmt in ("kq", "kq4"):
-            return self._unpermute(name, self._blocks(t, kind, rows, cols))
+        if self.fmt in KERNEL_KINDS:
+            return self._unpermute(name, self._blocks(name, t, kind, rows, cols))
         if kind in KEEPS[self.fmt] and kind == "Q4_K":
             q = q4_k_to_int4(t.data, rows, cols)
         else:
@@ -122,13 +124,16 @@ class GGUFQWeights(Mapping):
             q = QWeight.from_float(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), FALLBACK)
         return self._unpermute(name, q)
 
-    def _blocks(self, t, kind: str, rows: int, cols: int) -> BlockWeight:
+    def _blocks(self, name: str, t, kind: str, rows: int, cols: int) -> BlockWeight:
         """A tensor's blocks for the kernel: as stored, anything else rounded to Q8_0 (kq4: to
-        Q4_0, said nowhere: a draft's weights never change the output)."""
+        Q4_0; kq3: its MLP's gate and up to Q3_0, the rest as kq4; said nowhere: a draft's
+        weights never change the output)."""
         raw = np.asarray(t.data).reshape(rows, -1)
+        if self.fmt == "kq3" and name.split(".")[-2] in ("gate_proj", "up_proj"):
+            return self._rounded(t, rows, cols, "q3_0")
         if kind in KEEPS[self.fmt]:
             return BlockWeight(kind.lower(), raw, cols)
-        if self.fmt == "kq4":
+        if self.fmt in ("kq4", "kq3"):
             return self._rounded(t, rows, cols, "q4_0")
         if kind not in self.rounded:
             self.rounded.add(kind)
@@ -148,7 +153,7 @@ class GGUFQWeights(Mapping):
 
         def make() -> np.ndarray:
             w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
-            quantize = quantize_q4_0 if kind == "q4_0" else quantize_q8_0
+            quantize = {"q4_0": quantize_q4_0, "q3_0": quantize_q3_0}.get(kind, quantize_q8_0)
             return quantize(np.asarray(w, dtype=np.float32)).raw
 
         tag = f"rounded:{t.tensor_type.name}->{kind}:{rows}x{cols}:gguf {_gguf_version()}:{_rounding_tag()}"
@@ -200,7 +205,7 @@ class GGUFQWeights(Mapping):
 def read_qweights(path: str | Path, fmt: str) -> tuple[GGUFQWeights, str]:
     """(the file's matrices as QWeights (kq: BlockWeights) by our names, the format the rest are
     quantized to)."""
-    return GGUFQWeights(path, fmt), (fmt if fmt in ("kq", "kq4") else FALLBACK)
+    return GGUFQWeights(path, fmt), (fmt if fmt in KERNEL_KINDS else FALLBACK)
 
 
 @functools.lru_cache(maxsize=8)

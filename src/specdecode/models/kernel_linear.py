@@ -3,7 +3,9 @@
 `kq` is the weight format: a GGUF's own Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 blocks byte for byte, or
 float weights rounded to Q4_K (Q8_0 where the input width is not a multiple of 256). `kq4`, for a
 draft model, keeps a GGUF's Q4_K, Q6_K and Q4_0 and rounds everything else to Q4_0 (4.5 bits a
-weight: the 0.5B draft's Q5_0 and Q8_0 matrices, 17% of its bytes less). Each row's
+weight: the 0.5B draft's Q5_0 and Q8_0 matrices, 17% of its bytes less). `kq3`, a draft's layers
+in 3.5 bits a weight, rounds its float weights to Q3_0 (specdecode's own block, kernels/blocks.py)
+and its head to kq4's blocks. Each row's
 activations are quantized on their own and every integer sum is exact, so a row's output does
 not depend on how many rows share the call, on the instruction set or on the threads: the
 batch-invariant forward needs no padding (`row_multiple` 1) and costs nothing, and a prefill
@@ -26,39 +28,39 @@ from ..kernels import (
     quantize_q4_k,
     quantize_q8_0,
 )
-from ..kernels.blocks import quantize_q4_0
+from ..kernels import blocks as blocks_module
+from ..kernels.blocks import quantize_q3_0, quantize_q4_0
+from ..kernels.store import cached, source_tag
 from .linear import Linear, runs_of
 
 
-def to_blocks(weight: torch.Tensor, four: bool = False) -> BlockWeight:
-    """A float [out, in] weight as Q4_K (in a multiple of 256) or Q8_0 blocks (four, kq4: Q4_0),
-    rounded as ggml rounds them."""
+def to_blocks(weight: torch.Tensor, kind: str = "kq") -> BlockWeight:
+    """A float [out, in] weight as the blocks of `kind`, rounded as ggml rounds them: kq, Q4_K (in
+    a multiple of 256) or Q8_0; kq4, Q4_K or Q4_0; kq3, Q3_0 at every width (kept in the cache by
+    the weight's bytes: rounding the 0.5B's layers takes seconds in numpy)."""
     w = weight.detach().float().cpu().numpy()
+    if kind == "kq3":
+        tag = f"rounded:float->q3_0:{w.shape[0]}x{w.shape[1]}:{source_tag(blocks_module.__file__)}"
+        return BlockWeight("q3_0", cached(tag, [w], lambda: quantize_q3_0(w).raw), w.shape[1])
     if w.shape[1] % 256 == 0:
         return quantize_q4_k(w)
-    return quantize_q4_0(w) if four else quantize_q8_0(w)
+    return quantize_q4_0(w) if kind == "kq4" else quantize_q8_0(w)
 
 
 def random_blocks(out: int, inp: int, seed: int, narrow: str = "q8_0") -> BlockWeight:
     """Random blocks of the format a load gives an [out, inp] weight (Q4_K when inp is a multiple
-    of 256, else `narrow`: Q8_0, a GGUF's Q5_0, or kq4's Q4_0), with small finite scales: for
-    timing (autotune) without quantizing."""
+    of 256, else `narrow`: Q8_0, a GGUF's Q5_0, or kq4's Q4_0; kq3's Q3_0 at every width), with
+    small finite scales: for timing (autotune) without quantizing."""
+    from ..kernels.blocks import BLOCK
+
     rng = np.random.default_rng(seed)
-    if inp % 256 == 0:
+    if inp % 256 == 0 and narrow != "q3_0":
         raw = rng.integers(0, 256, (out, inp // 256, 144), dtype=np.uint8)
         raw[..., 0:4] = np.array([1e-3, 1e-3], np.float16).view(np.uint8)
         return BlockWeight("q4_k", raw.reshape(out, -1), inp)
-    if narrow == "q4_0":
-        raw = rng.integers(0, 256, (out, -(-inp // 32), 18), dtype=np.uint8)
-        raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
-        return BlockWeight("q4_0", raw.reshape(out, -1), inp)
-    if narrow == "q5_0":
-        raw = rng.integers(0, 256, (out, -(-inp // 32), 22), dtype=np.uint8)
-        raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
-        return BlockWeight("q5_0", raw.reshape(out, -1), inp)
-    raw = rng.integers(0, 256, (out, -(-inp // 32), 34), dtype=np.uint8)
+    raw = rng.integers(0, 256, (out, -(-inp // 32), BLOCK[narrow][1]), dtype=np.uint8)
     raw[..., 0:2] = np.array([1e-3], np.float16).view(np.uint8)
-    return BlockWeight("q8_0", raw.reshape(out, -1), inp)
+    return BlockWeight(narrow, raw.reshape(out, -1), inp)
 
 
 def _release_mapped(a: np.ndarray) -> None:
@@ -101,7 +103,8 @@ class KernelLinear(Linear):
         self.bias = None if bias is None else bias.float().contiguous()
         self.numel = self.out_features * self.in_features + (0 if bias is None else bias.numel())
         self.nbytes = self.packed.nbytes + (0 if bias is None else 4 * bias.numel())
-        self.layout, self.dtype, self.bits, self.group = f"kq:{weight.kind}", torch.float32, 4, None
+        bits = 3 if weight.kind == "q3_0" else 4
+        self.layout, self.dtype, self.bits, self.group = f"kq:{weight.kind}", torch.float32, bits, None
         self.weight = None
         self._row_multiple = 1
 
@@ -136,11 +139,11 @@ class KernelLinear(Linear):
         return made
 
 
-def kernel_linears(parts: list, bias: torch.Tensor | None, four: bool = False) -> list[KernelLinear]:
+def kernel_linears(parts: list, bias: torch.Tensor | None, kind: str = "kq") -> list[KernelLinear]:
     """The projection stacking `parts` (BlockWeights kept as they are, float tensors rounded to
-    blocks; four: kq4's Q4_0 for widths that are no multiple of 256): one KernelLinear when their
-    formats agree, else one per run of a format, whose outputs sit side by side (ConcatLinear)."""
-    blocks = [p if isinstance(p, BlockWeight) else to_blocks(p, four) for p in parts]
+    the blocks of `kind`, to_blocks): one KernelLinear when their formats agree, else one per run
+    of a format, whose outputs sit side by side (ConcatLinear)."""
+    blocks = [p if isinstance(p, BlockWeight) else to_blocks(p, kind) for p in parts]
     made, start = [], 0
     for run in runs_of(blocks, lambda b: (b.kind, b.raw.shape[1])):
         w = BlockWeight.cat(run)

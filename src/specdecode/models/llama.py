@@ -26,7 +26,15 @@ from .base import PLAIN, ForwardMeta
 from .cache import KVCache
 from .forward_plan import ForwardPlan, plan_forward
 from .linear import Linear
-from .quant import QUANT_KINDS, QWeight, choose_int8_kernels, linear_nbytes, quantized_linear
+from .quant import (
+    KERNEL_KINDS,
+    QUANT_KINDS,
+    QWeight,
+    choose_int8_kernels,
+    linear_nbytes,
+    part_kind,
+    quantized_linear,
+)
 from .rope import RopeTables
 from .tokenizer import TextTokenizer
 
@@ -262,13 +270,13 @@ class LlamaModel:
             parts = [opt(n) for n in names]
             return torch.cat(parts) if all(p is not None for p in parts) else None
 
-        def lin(names: list[str], bias: torch.Tensor | None = None):
-            """One projection stacking the named [out, in] weights."""
+        def lin(names: list[str], bias: torch.Tensor | None = None, part: str = ""):
+            """One projection stacking the named [out, in] weights (part: which one, for kq3)."""
             if quant is None:
                 return Linear(cat(names), bias)
             f32 = torch.float32
             parts = [qweights[n] if n in qweights else weights[n].to(self.device, f32) for n in names]
-            return quantized_linear(parts, bias, quant, onednn=None)
+            return quantized_linear(parts, bias, part_kind(quant, part), onednn=None)
 
         self.final_norm = w("model.norm.weight")
         self._final_norm_s = self.final_norm * cfg.hidden_size**0.5
@@ -285,7 +293,7 @@ class LlamaModel:
 
             self.embed = plain(embed)
             self._lm_head = self.embed if head == embed else plain(head)
-            self._head = lin([head])
+            self._head = lin([head], part="head")
         elif "lm_head.weight" in weights and not cfg.tie_word_embeddings:
             self.embed = w(embed)
             self.lm_head = w("lm_head.weight")
@@ -323,7 +331,7 @@ class LlamaModel:
                         qkv=lin([la + f"{n}_proj.weight" for n in "qkvab"], bias),
                         o=lin([la + "o_proj.weight"]),
                         mlp_norm=w(p + "post_attention_layernorm.weight"),
-                        gate_up=lin([n + ".weight" for n in mlp]),
+                        gate_up=lin([n + ".weight" for n in mlp], part="gate_up"),
                         down=lin([p + "mlp.down_proj.weight"]),
                         linear=True,
                     )
@@ -341,7 +349,7 @@ class LlamaModel:
                     qkv=lin([n + ".weight" for n in qkv], cat_opt([n + ".bias" for n in qkv])),
                     o=lin([p + "self_attn.o_proj.weight"], opt(p + "self_attn.o_proj.bias")),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=lin([n + ".weight" for n in mlp], cat_opt([n + ".bias" for n in mlp])),
+                    gate_up=lin([n + ".weight" for n in mlp], cat_opt([n + ".bias" for n in mlp]), "gate_up"),
                     down=lin([p + "mlp.down_proj.weight"], opt(p + "mlp.down_proj.bias")),
                     hidden_norm=opt(p + "hidden_norm.weight"),
                     qk_norm=qk_norm,
@@ -381,7 +389,7 @@ class LlamaModel:
         KernelAttention: one C call a layer, each query alone over the float32 keys and values the
         invariant cache holds) instead of InvariantAttention's chunked GEMMs: every model on the
         CPU where the kernel is built (kq, and float models of any dtype)."""
-        if self.cfg.linear_layers or self.device.type != "cpu" or self.quant not in (None, "kq", "kq4"):
+        if self.cfg.linear_layers or self.device.type != "cpu" or self.quant not in (None, *KERNEL_KINDS):
             return False
         return _kernel_built()
 
@@ -398,7 +406,7 @@ class LlamaModel:
             self.dtype == torch.float32
             and self.kernel_attention
             and (
-                self.quant in ("kq", "kq4")
+                self.quant in KERNEL_KINDS
                 or all(getattr(p, "layout", "") == "kernel" for _, p in self.linears())
             )
             and not self.cfg.qk_norm
@@ -464,8 +472,10 @@ class LlamaModel:
         for layer in self.layers:
             for n in ("qkv", "o", "gate_up", "down"):
                 old = getattr(layer, n)
-                setattr(layer, n, quantized_linear([old.weight_matrix()], old.bias, kind, onednn=None))
-        self._head = quantized_linear([self._head.weight_matrix()], self._head.bias, kind, onednn=None)
+                made = quantized_linear([old.weight_matrix()], old.bias, part_kind(kind, n), onednn=None)
+                setattr(layer, n, made)
+        head = part_kind(kind, "head")
+        self._head = quantized_linear([self._head.weight_matrix()], self._head.bias, head, onednn=None)
         self.quant = kind
         if kind == "w8a8":
             self._choose_int8_kernels()

@@ -39,7 +39,19 @@ QUANT_KINDS = {
     "w8a8": (8, None),
     "kq": (4, 256),
     "kq4": (4, 32),
+    "kq3": (3, 32),
 }
+KERNEL_KINDS = ("kq", "kq4", "kq3")  # the formats specdecode's kernel runs (models/kernel_linear.py)
+
+
+def part_kind(kind: str | None, part: str) -> str | None:
+    """The format one projection of a `kind` model takes: kq3 (a draft's format) rounds its MLP's
+    gate and up projections (58% of a layer's weights) to 3-bit Q3_0 and keeps every other one as
+    kq4 (its down projections in 3 bits cost the 0.5B draft 6-8% of its acceptance on HumanEval
+    and Spec-Bench for 7% fewer bytes: benchmarks/NOTES.md, issue 53, sixteenth session)."""
+    if kind == "kq3":
+        return "kq3" if part == "gate_up" else "kq4"
+    return kind
 ACT_DTYPE = torch.bfloat16  # the kernels' fast activation type on CPU
 
 
@@ -516,10 +528,10 @@ def quantized_linear(
     `kind`; QWeights are kept as they are): a QuantLinear when the formats agree, else a
     ConcatLinear of one QuantLinear per format run. onednn: a w8a8 projection's oneDNN copy
     (DynamicInt8Linear), for a model that will choose_int8_kernels."""
-    if kind in ("kq", "kq4"):
+    if kind in KERNEL_KINDS:
         from .kernel_linear import kernel_linears
 
-        made = kernel_linears(parts, bias, four=kind == "kq4")
+        made = kernel_linears(parts, bias, kind)
         return made[0] if len(made) == 1 else ConcatLinear(made)
     if kind == "w8a8":  # one int8 GEMM whatever the parts were stored as
         qs = [p.dequantize() if isinstance(p, QWeight) else p for p in parts]

@@ -30,10 +30,10 @@ typedef struct {
 } __attribute__((aligned(64))) sdk_share;
 extern int sdk_steal; /* 1: threads done with their share take the others' last tiles (sdk_core.c) */
 
-enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4, SDK_Q4_0 = 5 };
+enum { SDK_Q4K = 1, SDK_Q6K = 2, SDK_Q8_0 = 3, SDK_Q5_0 = 4, SDK_Q4_0 = 5, SDK_Q3_0 = 6 };
 enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNNI = 3, SDK_ISA_AMX = 4, SDK_NISA = 5 };
 
-/* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0, Q4_0: a block of 32). Q4_K's
+/* bytes of one tile per block (a super-block of 256 inputs; Q8_0, Q5_0, Q4_0, Q3_0: a block of 32). Q4_K's
  * record (37 cache lines) holds everything, and so does Q6_K's (53 lines: its integers, then its
  * scales, padded to a whole line: one read stream a thread; the 16 scales of a column as pairs,
  * byte p * 32 + c * 2 + i = column c's scale of sub-block 2p + i, the int16 pairs vpdpwssd reads
@@ -58,6 +58,13 @@ enum { SDK_ISA_REF = 0, SDK_ISA_AVX2 = 1, SDK_ISA_AVXVNNI = 2, SDK_ISA_AVX512VNN
 #define SDK_Q4_INTS 256
 #define SDK_Q4_SCALES 32 /* d (fp16) */
 #define SDK_Q4_REC (SDK_Q4_INTS + SDK_Q4_SCALES)
+/* Q3_0 (32 inputs; specdecode's own 3-bit block, no GGUF type: a draft's format): 2 vectors of
+ * 2-bit values (vector j, byte c * 4 + kk: bits 2i..2i+1 hold the low two bits of input
+ * 4 (4j + i) + kk of column c), then Q5_0's plane holding the third bit; values 0..7 stand for
+ * q + 4. The tile's integers first, then its scales, as Q5_0's */
+#define SDK_Q3_INTS 192
+#define SDK_Q3_SCALES 32 /* d (fp16) */
+#define SDK_Q3_REC (SDK_Q3_INTS + SDK_Q3_SCALES)
 
 /* quantized activation rows: xq [rows][kp] int8, xa [rows][kp / 256] scale, xs [rows][kp / 16]
  * integer sums of 16 codes, xp [rows][kp / 64] the sums of 32 codes two by two as int16 pairs

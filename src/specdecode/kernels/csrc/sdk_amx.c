@@ -385,7 +385,7 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
 }
 
 #define UNROLL8 _Pragma("GCC unroll 8")
-/* blocks of 32 (Q8_0, Q5_0, Q4_0), 8 at a time (one activation block): Q8_0's integers are the
+/* blocks of 32 (Q8_0, Q5_0, Q4_0, Q3_0), 8 at a time (one activation block): Q8_0's integers are the
  * tile layout already (values q + 128, less 128 x the row's sum of codes afterwards), the others
  * are decoded to their signed values q (tdpbssd: the rows pay no offset term; the 0.5B's
  * 657-token prefill 0.91x the time), and the blocks' scales are converted once for every row
@@ -393,9 +393,11 @@ static void q6k_fold(const uint8_t *tile, int nblk, const sdk_act *a, int m0, in
 static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, int m0, int m1, int ch,
                      float *acc, uint8_t *wb, int32_t *cb) {
     const int kp = a->kp, n16 = kp / 16;
-    const long ints = type == SDK_Q8_0 ? SDK_Q8_INTS : type == SDK_Q5_0 ? SDK_Q5_INTS : SDK_Q4_INTS;
-    const long recb = type == SDK_Q8_0 ? SDK_Q8_REC : type == SDK_Q5_0 ? SDK_Q5_REC : SDK_Q4_REC;
-    const int lines = type == SDK_Q8_0 ? 9 : type == SDK_Q5_0 ? 6 : 5, off = type == SDK_Q8_0 ? 128 : type == SDK_Q5_0 ? 16 : 8;
+    const int three = type == SDK_Q3_0;
+    const long ints = type == SDK_Q8_0 ? SDK_Q8_INTS : type == SDK_Q5_0 ? SDK_Q5_INTS : three ? SDK_Q3_INTS : SDK_Q4_INTS;
+    const long recb = type == SDK_Q8_0 ? SDK_Q8_REC : type == SDK_Q5_0 ? SDK_Q5_REC : three ? SDK_Q3_REC : SDK_Q4_REC;
+    const int lines = type == SDK_Q8_0 ? 9 : type == SDK_Q5_0 ? 6 : three ? 4 : 5;
+    const int off = type == SDK_Q8_0 ? 128 : type == SDK_Q5_0 ? 16 : three ? 4 : 8;
     const long pf = SDK_PF_SMALL(recb);
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), offv = _mm512_set1_epi8((char)off);
     const int sw = type != SDK_Q8_0; /* Q8_0's bytes go to the tiles as stored: q + 128 */
@@ -406,6 +408,17 @@ static void blocks32(int type, const uint8_t *tile, int nblk, const sdk_act *a, 
             for (int i = 0; i < lines; i++) PF(tile + pf + (long)b * recb + i * 64);
             if (type == SDK_Q8_0) continue;
             const uint8_t *rec = tile + (size_t)b * ints;
+            if (three) { /* 2-bit values and the plane's third bit: q + 4, stored as q */
+                const __m512i low2 = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
+                const __m512i h3 = _mm512_loadu_si512(rec + 128);
+                for (int g = 0; g < 8; g++) {
+                    __m512i v = _mm512_srli_epi16(_mm512_loadu_si512(rec + (g / 4) * 64), 2 * (g % 4));
+                    __m512i hb = g < 2 ? _mm512_slli_epi16(h3, 2 - g) : _mm512_srli_epi16(h3, g - 2);
+                    v = _mm512_ternarylogic_epi32(v, _mm512_and_si512(hb, bit2), low2, 0xEC);
+                    _mm512_store_si512(wb + e * 512 + g * 64, _mm512_sub_epi8(v, offv));
+                }
+                continue;
+            }
             const __m512i h = type == SDK_Q5_0 ? _mm512_loadu_si512(rec + 256) : _mm512_setzero_si512();
             for (int i = 0; i < 4; i++) {
                 __m512i v = _mm512_loadu_si512(rec + i * 64), lo, hi;

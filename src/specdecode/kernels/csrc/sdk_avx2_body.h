@@ -398,25 +398,38 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
             for (; r + 2 <= rows; r += 2) q6k_rows(w, sc, pr, d, a, b, m0, r, 2, acc);
             if (r < rows) q6k_rows(w, sc, pr, d, a, b, m0, r, 1, acc);
         }
-    } else if (type == SDK_Q5_0 || type == SDK_Q4_0) {
-        /* Q4_0: Q5_0's nibbles without the plane, values 0..15 for q + 8 */
-        const int five = type == SDK_Q5_0, off = five ? 16 : 8;
-        const long ints = five ? SDK_Q5_INTS : SDK_Q4_INTS, recb = five ? SDK_Q5_REC : SDK_Q4_REC;
-        const long pf50 = five ? pf5 : (sdk_pf_blocks == 1 ? 4L * SDK_Q4_REC : 8L * sdk_pf_blocks * SDK_Q4_REC);
-        const __m256i bit4 = _mm256_set1_epi8(0x10);
+    } else if (type == SDK_Q5_0 || type == SDK_Q4_0 || type == SDK_Q3_0) {
+        /* Q4_0: Q5_0's nibbles without the plane, values 0..15 for q + 8; Q3_0: 2-bit values and
+         * the plane's third bit, 0..7 for q + 4 */
+        const int five = type == SDK_Q5_0, three = type == SDK_Q3_0, off = five ? 16 : three ? 4 : 8;
+        const long ints = five ? SDK_Q5_INTS : three ? SDK_Q3_INTS : SDK_Q4_INTS;
+        const long recb = five ? SDK_Q5_REC : three ? SDK_Q3_REC : SDK_Q4_REC;
+        const long pf50 = five ? pf5 : (sdk_pf_blocks == 1 ? 4L * recb : 8L * sdk_pf_blocks * recb);
+        const __m256i bit4 = _mm256_set1_epi8(0x10), bit2 = _mm256_set1_epi8(0x04);
         const uint8_t *tile = rec;
         for (int b = 0; b < nblk; b++, rec += ints) {
             const uint8_t *scales = tile + (size_t)nblk * ints + (size_t)b * SDK_Q5_SCALES;
-            for (int i = 0; i < (five ? 6 : 5); i++) PF(tile + pf50 + (long)b * recb + i * 64); /* sdk_avx512vnni.c */
-            __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit (Q4_0: 0..15) */
-            for (int h = 0; h < 2; h++) {
-                __m256i pl = five ? LD(rec + 256 + h * 32) : _mm256_setzero_si256();
-                for (int i = 0; i < 4; i++) {
-                    __m256i u = LD(rec + i * 64 + h * 32);
-                    __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(pl, 4 - i), bit4);
-                    __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(pl, i), bit4);
-                    v[i * 2 + h] = _mm256_or_si256(_mm256_and_si256(u, low4), b0);
-                    v[(i + 4) * 2 + h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u, 4), low4), b1);
+            for (int i = 0; i < (five ? 6 : three ? 4 : 5); i++) PF(tile + pf50 + (long)b * recb + i * 64); /* sdk_avx512vnni.c */
+            __m256i v[16]; /* values 0..31 (q + 16): the nibbles and the plane's fifth bit (Q4_0: 0..15, Q3_0: 0..7) */
+            if (three) {
+                for (int h = 0; h < 2; h++) {
+                    __m256i pl = LD(rec + 128 + h * 32);
+                    for (int g = 0; g < 8; g++) {
+                        __m256i u = _mm256_srli_epi16(LD(rec + (g / 4) * 64 + h * 32), 2 * (g % 4));
+                        __m256i hb = g < 2 ? _mm256_slli_epi16(pl, 2 - g) : _mm256_srli_epi16(pl, g - 2);
+                        v[g * 2 + h] = _mm256_or_si256(_mm256_and_si256(u, low2), _mm256_and_si256(hb, bit2));
+                    }
+                }
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    __m256i pl = five ? LD(rec + 256 + h * 32) : _mm256_setzero_si256();
+                    for (int i = 0; i < 4; i++) {
+                        __m256i u = LD(rec + i * 64 + h * 32);
+                        __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(pl, 4 - i), bit4);
+                        __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(pl, i), bit4);
+                        v[i * 2 + h] = _mm256_or_si256(_mm256_and_si256(u, low4), b0);
+                        v[(i + 4) * 2 + h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u, 4), low4), b1);
+                    }
                 }
             }
             __m256 d[2];

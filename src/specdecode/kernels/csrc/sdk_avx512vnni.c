@@ -203,10 +203,24 @@ static inline __attribute__((always_inline)) void q8_block(const int R, const ui
 
 /* a block of 32's 8 weight vectors (4 inputs x 16 columns each): Q8_0's as stored (q + 128),
  * Q5_0's nibbles with the fifth bit moved from bit g of the plane's byte to bit 4 (q + 16), Q4_0's
- * nibbles (q + 8) */
+ * nibbles (q + 8), Q3_0's 2-bit values with the third bit from the plane (q + 4) */
 static inline __attribute__((always_inline)) void decode32(const int type, const uint8_t *rec, __m512i *w) {
     if (type == SDK_Q8_0) {
         UNROLL(8) for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(rec + g * 64);
+        return;
+    }
+    if (type == SDK_Q3_0) { /* the 2-bit values, and the plane's bit g moved to bit 2 */
+        const __m512i low2 = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
+        const __m512i h = _mm512_loadu_si512(rec + 128);
+        UNROLL(2) for (int j = 0; j < 2; j++) {
+            const __m512i v = _mm512_loadu_si512(rec + j * 64);
+            UNROLL(4) for (int i = 0; i < 4; i++) {
+                const int g = 4 * j + i;
+                __m512i lo = i == 0 ? v : _mm512_srli_epi16(v, 2 * i);
+                __m512i hb = g < 2 ? _mm512_slli_epi16(h, 2 - g) : g == 2 ? h : _mm512_srli_epi16(h, g - 2);
+                w[g] = _mm512_ternarylogic_epi32(lo, _mm512_and_si512(hb, bit2), low2, 0xEC);
+            }
+        }
         return;
     }
     const int five = type == SDK_Q5_0;
@@ -227,23 +241,25 @@ static inline __attribute__((always_inline)) void decode32(const int type, const
     }
 }
 
-/* Q5_0 and Q4_0 (five = 0) from 7 rows, in groups (decode32's values) */
-static inline __attribute__((always_inline)) void q50_block(const int five, const int R, const uint8_t *tile,
+/* Q5_0, Q4_0 and Q3_0 from 7 rows, in groups (decode32's values) */
+static inline __attribute__((always_inline)) void q50_block(const int type, const int R, const uint8_t *tile,
                                                             int nblk, const sdk_act *a, int m, int b, float *acc) {
-    const long ints = five ? SDK_Q5_INTS : SDK_Q4_INTS, recb = five ? SDK_Q5_REC : SDK_Q4_REC;
+    const int five = type == SDK_Q5_0, three = type == SDK_Q3_0;
+    const long ints = five ? SDK_Q5_INTS : three ? SDK_Q3_INTS : SDK_Q4_INTS;
+    const long recb = five ? SDK_Q5_REC : three ? SDK_Q3_REC : SDK_Q4_REC;
     const uint8_t *rec = tile + (size_t)b * ints;
     const long pf = SDK_PF_SMALL(recb);
-    UNROLL(6) for (int i = 0; i < (five ? 6 : 5); i++) PF(tile + pf + (long)b * recb + i * 64);
+    UNROLL(6) for (int i = 0; i < (five ? 6 : three ? 4 : 5); i++) PF(tile + pf + (long)b * recb + i * 64);
     const int kp = a->kp, n16 = kp / 16;
     __m512i w[8], s[ROWS][2];
-    decode32(five ? SDK_Q5_0 : SDK_Q4_0, rec, w);
+    decode32(type, rec, w);
     UNROLL(8) for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     UNROLL(8) for (int g = 0; g < 8; g++)
         UNROLL(8) for (int r = 0; r < R; r++)
             s[r][g & 1] = dpb(s[r][g & 1], w[g], a->xq + (size_t)(m + r) * kp + b * 32 + g * 4);
     const uint8_t *scales = tile + (size_t)nblk * ints + (size_t)b * SDK_Q5_SCALES;
     __m512 d = h2f16(scales);
-    const int off = five ? 16 : 8;
+    const int off = five ? 16 : three ? 4 : 8;
     UNROLL(8) for (int r = 0; r < R; r++) {
         const int32_t *xs = a->xs + (size_t)(m + r) * n16 + b * 2;
         __m512i u = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(off * (xs[0] + xs[1])));
@@ -254,25 +270,30 @@ static inline __attribute__((always_inline)) void q50_block(const int five, cons
 
 static inline __attribute__((always_inline)) void q5_block(const int R, const uint8_t *tile, int nblk,
                                                            const sdk_act *a, int m, int b, float *acc) {
-    q50_block(1, R, tile, nblk, a, m, b, acc);
+    q50_block(SDK_Q5_0, R, tile, nblk, a, m, b, acc);
 }
 
 static inline __attribute__((always_inline)) void q4_block(const int R, const uint8_t *tile, int nblk,
                                                            const sdk_act *a, int m, int b, float *acc) {
-    q50_block(0, R, tile, nblk, a, m, b, acc);
+    q50_block(SDK_Q4_0, R, tile, nblk, a, m, b, acc);
 }
 
-/* Up to 6 rows through a tile's blocks of 32 (Q8_0, Q5_0, Q4_0: a draft model's decode steps and
+static inline __attribute__((always_inline)) void q3_block(const int R, const uint8_t *tile, int nblk,
+                                                           const sdk_act *a, int m, int b, float *acc) {
+    q50_block(SDK_Q3_0, R, tile, nblk, a, m, b, acc);
+}
+
+/* Up to 6 rows through a tile's blocks of 32 (Q8_0, Q5_0, Q4_0, Q3_0: a draft model's decode steps and
  * verifications): each row's float sum stays in a register across the blocks (q50_block stores it
  * and loads it back every 32 inputs, a store-to-load wait per block and row), and a lone row's
  * products run as four chains of two. The same integers and the same float operations in the
  * same order: the same bits. */
 static inline __attribute__((always_inline)) void blocks32_rows(const int type, const int R, const uint8_t *tile,
                                                                 int nblk, const sdk_act *a, int m, float *acc) {
-    const int five = type == SDK_Q5_0, eight = type == SDK_Q8_0;
-    const long ints = eight ? SDK_Q8_INTS : five ? SDK_Q5_INTS : SDK_Q4_INTS;
-    const long recb = eight ? SDK_Q8_REC : five ? SDK_Q5_REC : SDK_Q4_REC;
-    const int lines = eight ? 9 : five ? 6 : 5, off = eight ? 128 : five ? 16 : 8;
+    const int five = type == SDK_Q5_0, eight = type == SDK_Q8_0, three = type == SDK_Q3_0;
+    const long ints = eight ? SDK_Q8_INTS : five ? SDK_Q5_INTS : three ? SDK_Q3_INTS : SDK_Q4_INTS;
+    const long recb = eight ? SDK_Q8_REC : five ? SDK_Q5_REC : three ? SDK_Q3_REC : SDK_Q4_REC;
+    const int lines = eight ? 9 : five ? 6 : three ? 4 : 5, off = eight ? 128 : five ? 16 : three ? 4 : 8;
     const int chains = R == 1 ? 4 : R <= 4 ? 2 : 1; /* independent dot-product chains a row */
     const long pf = SDK_PF_SMALL(recb);
     const int kp = a->kp;
@@ -345,6 +366,8 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
             SMALL_ROWS(SDK_Q5_0)
         } else if (type == SDK_Q4_0) {
             SMALL_ROWS(SDK_Q4_0)
+        } else if (type == SDK_Q3_0) {
+            SMALL_ROWS(SDK_Q3_0)
         } else {
             SMALL_ROWS(SDK_Q8_0)
         }
@@ -352,6 +375,8 @@ void sdk_tile_avx512vnni(int type, const uint8_t *rec, int nblk, const sdk_act *
         GROUPS(q5_block)
     } else if (type == SDK_Q4_0) {
         GROUPS(q4_block)
+    } else if (type == SDK_Q3_0) {
+        GROUPS(q3_block)
     } else {
         GROUPS(q8_block)
     }

@@ -127,7 +127,8 @@ static size_t record_bytes(int type) {
            : type == SDK_Q6K  ? SDK_Q6K_REC
            : type == SDK_Q8_0 ? SDK_Q8_REC
            : type == SDK_Q5_0 ? SDK_Q5_REC
-                              : SDK_Q4_REC;
+           : type == SDK_Q4_0 ? SDK_Q4_REC
+                              : SDK_Q3_REC;
 }
 
 /* Quantize rows x [m, k] (ldx floats apart) to int8 for the products that follow on this thread.
@@ -272,12 +273,12 @@ static int next_tile(sdk_share *share, int me, int n, int steal) {
 }
 
 /* y [m, n] (ldy floats apart) = the rows sdk_quantize left on this thread times W^T, W packed as
- * `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs; Q8_0, Q5_0, Q4_0: 32), then + bias [n] and
+ * `type` with nblk blocks per tile (Q4_K, Q6_K: 256 inputs; Q8_0, Q5_0, Q4_0, Q3_0: 32), then + bias [n] and
  * + res [m, n] (ldr floats apart) when given, in that order (one IEEE add each). Returns 0, or
  * -1 (bad arguments, or no rows of this m and k quantized), -2 (path not runnable). */
 int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float *y, long ldy, const float *bias,
                 const float *res, long ldr, int isa, int nthreads) {
-    if (type < SDK_Q4K || type > SDK_Q4_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0 || ldy < n) return -1;
+    if (type < SDK_Q4K || type > SDK_Q3_0 || n <= 0 || nblk <= 0 || k <= 0 || m < 0 || ldy < n) return -1;
     int blk = type == SDK_Q4K || type == SDK_Q6K ? SDK_QK : 32;
     if ((long)nblk * blk < k || (long)(nblk - 1) * blk >= k) return -1;
     if (res && ldr < n) return -1;
@@ -343,7 +344,7 @@ int sdk_product(int type, const uint8_t *w, int n, int nblk, int k, int m, float
 int sdk_linear_ex(int type, const uint8_t *w, int n, int nblk, int k, const float *x, long ldx, int m, float *y,
                   long ldy, int pre, const float *pre_w, float eps, const float *bias, const float *res, long ldr,
                   int isa, int nthreads) {
-    if (type < SDK_Q4K || type > SDK_Q4_0) return -1;
+    if (type < SDK_Q4K || type > SDK_Q3_0) return -1;
     int rc = sdk_quantize(x, ldx, m, k, pre, pre_w, eps, isa, nthreads);
     return rc ? rc : sdk_product(type, w, n, nblk, k, m, y, ldy, bias, res, ldr, isa, nthreads);
 }

@@ -35,6 +35,13 @@ static int q5(const uint8_t *p, int c, int k) {
     return (g < 4 ? lo & 15 : lo >> 4) | (((h >> g) & 1) << 4);
 }
 
+/* Q3_0's value 0..7 (q + 4) of column c, input k (0..31) in a block's 192 bytes */
+static int q3(const uint8_t *p, int c, int k) {
+    int g = k / 4, kk = k % 4;
+    uint8_t lo = p[(g / 4) * 64 + c * 4 + kk], h = p[128 + c * 4 + kk];
+    return ((lo >> (2 * (g % 4))) & 3) | (((h >> g) & 1) << 2);
+}
+
 void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                   uint8_t *scratch) {
     (void)scratch;
@@ -85,6 +92,13 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                         uint8_t lo = p[((k / 4) % 4) * 64 + c * 4 + k % 4];
                         s += ((k < 16 ? lo & 15 : lo >> 4) - 8) * x[b * 32 + k];
                     }
+                    float d = sdk_h2f(rd16(ps + 2 * c));
+                    y = fmaf((float)s, d * xa[b / 8], y);
+                } else if (type == SDK_Q3_0) { /* nblk blocks of 32 */
+                    const uint8_t *p = rec + (size_t)b * SDK_Q3_INTS;
+                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q3_INTS + (size_t)b * SDK_Q3_SCALES;
+                    int32_t s = 0;
+                    for (int k = 0; k < 32; k++) s += (q3(p, c, k) - 4) * x[b * 32 + k];
                     float d = sdk_h2f(rd16(ps + 2 * c));
                     y = fmaf((float)s, d * xa[b / 8], y);
                 } else { /* SDK_Q8_0: nblk blocks of 32 */
