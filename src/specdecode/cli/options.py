@@ -102,8 +102,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "draft_dtype",
         "how the drafter's own weights run (draft model, EAGLE/EAGLE-3 layer, Medusa heads): fp32, bf16, "
-        "fp16, weight-only quantized int8 / int4 / int4-g128 (4-bit in groups of 32 / 128), or w8a8 (int8 "
-        "weights and activations). Never "
+        "fp16, weight-only quantized int8 / int4 / int4-g128 (4-bit in groups of 32 / 128), w8a8 (int8 "
+        "weights and activations), or specdecode's kernel: kq (a GGUF's own blocks), kq4 (4.5 bits a "
+        "weight), kq3 (kq4 with the MLP's gate and up in 3-bit blocks). Never "
         "changes the output (the target verifies every token), only the draft's cost and acceptance "
         "(default: auto, the cheapest step measured on this machine, for a draft model of a known "
         "target; else as loaded, the target's format)",

@@ -47,8 +47,8 @@ KERNEL_KINDS = ("kq", "kq4", "kq3")  # the formats specdecode's kernel runs (mod
 def part_kind(kind: str | None, part: str) -> str | None:
     """The format one projection of a `kind` model takes: kq3 (a draft's format) rounds its MLP's
     gate and up projections (58% of a layer's weights) to 3-bit Q3_0 and keeps every other one as
-    kq4 (its down projections in 3 bits cost the 0.5B draft 6-8% of its acceptance on HumanEval
-    and Spec-Bench for 7% fewer bytes: benchmarks/NOTES.md, issue 53, sixteenth session)."""
+    kq4 (the 0.5B's down projections in 3 bits as well: 8% fewer bytes, τ 7% lower on HumanEval
+    and 9% on Spec-Bench; benchmarks/NOTES.md, issue 53, sixteenth session)."""
     if kind == "kq3":
         return "kq3" if part == "gate_up" else "kq4"
     return kind
