@@ -368,11 +368,17 @@ def _tiles_q5_0(raw):
     u = u.reshape(t, TILE, nb, 2, 4, 4)  # tile, row, block, half, i, kk: input 16 half + 4 i + kk
     nib = (u[..., 0, :, :] & 15) | ((u[..., 1, :, :] & 15) << 4)  # [t, 16, nb, 4, 4]
     nib = nib.transpose(0, 2, 3, 1, 4).reshape(t, nb, 256)
-    g = u.reshape(t, TILE, nb, 8, 4) >> 4  # the fifth bit of input 4 g + kk
-    plane = sum(g[:, :, :, j, :] << j for j in range(8)).astype(np.uint8)  # [t, 16, nb, 4]
-    plane = plane.transpose(0, 2, 1, 3).reshape(t, nb, 64)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
-    return _ints_then_scales(np.concatenate([nib, plane], -1), f16)
+    return _ints_then_scales(np.concatenate([nib, _plane(u >> 4)], -1), f16)
+
+
+def _plane(bits: np.ndarray) -> np.ndarray:
+    """[T, 16, nb, .. 32 inputs] one bit each -> [T, nb, 64]: byte c * 4 + kk holds in bit g the
+    bit of input 4 g + kk of row c (Q5_0's fifth bits, Q3_0's third)."""
+    t, nb = bits.shape[0], bits.shape[2]
+    g = bits.reshape(t, TILE, nb, 8, 4)
+    plane = sum(g[:, :, :, j, :] << j for j in range(8)).astype(np.uint8)  # [t, 16, nb, 4]
+    return plane.transpose(0, 2, 1, 3).reshape(t, nb, 64)
 
 
 def _tiles_q4_0(raw):
@@ -390,11 +396,8 @@ def _tiles_q3_0(raw):
     u = u.reshape(t, TILE, nb, 2, 4, 4)  # tile, row, block, j, i, kk: input 4 (4 j + i) + kk
     low = sum((u[..., i, :] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [t, 16, nb, 2, 4]
     low = low.transpose(0, 2, 3, 1, 4).reshape(t, nb, 128)
-    g = u.reshape(t, TILE, nb, 8, 4) >> 2  # the third bit of input 4 g + kk
-    plane = sum(g[:, :, :, j, :] << j for j in range(8)).astype(np.uint8)  # [t, 16, nb, 4]
-    plane = plane.transpose(0, 2, 1, 3).reshape(t, nb, 64)
     f16 = _per_row(d.astype(np.float16)[..., None], t).view(np.uint8)
-    return _ints_then_scales(np.concatenate([low, plane], -1), f16)
+    return _ints_then_scales(np.concatenate([low, _plane(u >> 2)], -1), f16)
 
 
 def check_kind(kind: str) -> str:

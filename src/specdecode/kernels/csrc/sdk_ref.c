@@ -42,6 +42,16 @@ static int q3(const uint8_t *p, int c, int k) {
     return ((lo >> (2 * (g % 4))) & 3) | (((h >> g) & 1) << 2);
 }
 
+/* the signed value q of column c, input k of a block of 32 (Q8_0: stored q + 128; Q4_0: Q5_0's
+ * nibbles, no fifth bit, q + 8) */
+static int q32(int type, const uint8_t *p, int c, int k) {
+    if (type == SDK_Q8_0) return (int)p[(k / 4) * 64 + c * 4 + k % 4] - 128;
+    if (type == SDK_Q5_0) return q5(p, c, k) - 16;
+    if (type == SDK_Q3_0) return q3(p, c, k) - 4;
+    uint8_t lo = p[((k / 4) % 4) * 64 + c * 4 + k % 4];
+    return (k < 16 ? lo & 15 : lo >> 4) - 8;
+}
+
 void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m0, int m1, float *acc,
                   uint8_t *scratch) {
     (void)scratch;
@@ -77,38 +87,15 @@ void sdk_tile_ref(int type, const uint8_t *rec, int nblk, const sdk_act *a, int 
                     }
                     float d = sdk_h2f(rd16(ps + 256 + 2 * c));
                     y = fmaf((float)isum, d * xa[b], y);
-                } else if (type == SDK_Q5_0) { /* nblk blocks of 32 */
-                    const uint8_t *p = rec + (size_t)b * SDK_Q5_INTS;
-                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q5_INTS + (size_t)b * SDK_Q5_SCALES;
+                } else { /* Q8_0, Q5_0, Q4_0, Q3_0: nblk blocks of 32, a tile's integers then its scales */
+                    const long ints = type == SDK_Q8_0   ? SDK_Q8_INTS
+                                      : type == SDK_Q5_0 ? SDK_Q5_INTS
+                                      : type == SDK_Q4_0 ? SDK_Q4_INTS
+                                                         : SDK_Q3_INTS;
+                    const uint8_t *p = rec + (size_t)b * ints;
+                    const uint8_t *ps = rec + (size_t)nblk * ints + (size_t)b * SDK_Q8_SCALES; /* 32 each */
                     int32_t s = 0;
-                    for (int k = 0; k < 32; k++) s += (q5(p, c, k) - 16) * x[b * 32 + k];
-                    float d = sdk_h2f(rd16(ps + 2 * c));
-                    y = fmaf((float)s, d * xa[b / 8], y);
-                } else if (type == SDK_Q4_0) { /* nblk blocks of 32: Q5_0's nibbles, no fifth bit */
-                    const uint8_t *p = rec + (size_t)b * SDK_Q4_INTS;
-                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q4_INTS + (size_t)b * SDK_Q4_SCALES;
-                    int32_t s = 0;
-                    for (int k = 0; k < 32; k++) {
-                        uint8_t lo = p[((k / 4) % 4) * 64 + c * 4 + k % 4];
-                        s += ((k < 16 ? lo & 15 : lo >> 4) - 8) * x[b * 32 + k];
-                    }
-                    float d = sdk_h2f(rd16(ps + 2 * c));
-                    y = fmaf((float)s, d * xa[b / 8], y);
-                } else if (type == SDK_Q3_0) { /* nblk blocks of 32 */
-                    const uint8_t *p = rec + (size_t)b * SDK_Q3_INTS;
-                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q3_INTS + (size_t)b * SDK_Q3_SCALES;
-                    int32_t s = 0;
-                    for (int k = 0; k < 32; k++) s += (q3(p, c, k) - 4) * x[b * 32 + k];
-                    float d = sdk_h2f(rd16(ps + 2 * c));
-                    y = fmaf((float)s, d * xa[b / 8], y);
-                } else { /* SDK_Q8_0: nblk blocks of 32 */
-                    const uint8_t *p = rec + (size_t)b * SDK_Q8_INTS;
-                    const uint8_t *ps = rec + (size_t)nblk * SDK_Q8_INTS + (size_t)b * SDK_Q8_SCALES;
-                    int32_t s = 0;
-                    for (int k = 0; k < 32; k++) {
-                        int q = (int)p[(k / 4) * 64 + c * 4 + k % 4] - 128;
-                        s += q * x[b * 32 + k];
-                    }
+                    for (int k = 0; k < 32; k++) s += q32(type, p, c, k) * x[b * 32 + k];
                     float d = sdk_h2f(rd16(ps + 2 * c));
                     y = fmaf((float)s, d * xa[b / 8], y);
                 }
