@@ -250,15 +250,18 @@ def measure(
     """The projections' seconds of one forward in `fmt` at 1 and k + 1 rows (see the module doc)."""
     import torch
 
+    from .models.quant import part_kind
+
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, FORMATS[fmt].activations)
     try:
         layer_bytes = shapes.layer_params * FORMATS[fmt].bytes_per_weight
         copies = int(min(shapes.layers, max(1, -(-CACHED_BYTES // layer_bytes))))
-        layers = _layer_linears(shapes, fmt, shapes.layer_matrices() * copies, gen)
+        # each projection in the format a load gives it (kq3: gate|up in Q3_0, the rest as kq4)
+        parts = list(zip(("qkv", "o", "gate_up", "down"), shapes.layer_matrices())) * copies
+        layers = [lin for part, m in parts for lin in _layer_linears(shapes, part_kind(fmt, part), [m], gen)]
         head_rows = max(16, shapes.vocab // HEAD_SLICE)
-        # kq3 keeps its head in kq4's blocks (models/llama.py)
-        head = _layer_linears(shapes, "kq4" if fmt == "kq3" else fmt, [(head_rows, shapes.hidden)], gen)
+        head = _layer_linears(shapes, part_kind(fmt, "head"), [(head_rows, shapes.hidden)], gen)
         if FORMATS[fmt].quant == "w8a8":  # each shape's int8 kernel per row count, as a load chooses it
             from .models.quant import choose_int8_kernels
 

@@ -62,7 +62,8 @@ FORMATS: dict[str, WeightFormat] = {
             openvino=False,
         ),
         WeightFormat(
-            "kq3", "float32", "kq3", 0.375 + 2 / 32,
+            # gate|up (58% of a layer's weights) at 3.5 bits, the rest at kq4's 4.5
+            "kq3", "float32", "kq3", 0.58 * (0.375 + 2 / 32) + 0.42 * (0.5 + 2 / 32),
             "specdecode's kernel in 3 bits: float weights rounded to Q3_0, the head to Q4_0 (drafts)",
             openvino=False,
         ),
