@@ -969,7 +969,7 @@ def test_amx_stands_in_for_avx512_vnni_whose_code_it_runs_below_its_row_counts(m
     monkeypatch.delenv("SPECDECODE_ISA", raising=False)
     monkeypatch.setattr(kernels, "runnable_isas", lambda: ["ref", "avx2", "avx512vnni", "amx"])
     monkeypatch.setattr(kernels, "selfcheck", lambda isa: True)
-    monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
+    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": [])
     for seconds, want in (
         ({"avx2": 1.0, "avx512vnni": 1.1}, "amx"),
         ({"avx2": 1.0, "avx512vnni": 1.3}, "avx2"),
@@ -989,7 +989,7 @@ def test_the_widest_checked_path_runs_unless_a_narrower_one_is_clearly_faster(mo
     monkeypatch.delenv("SPECDECODE_ISA", raising=False)
     monkeypatch.setattr(kernels, "runnable_isas", lambda: ["ref", "avx2", "avx512vnni"])
     monkeypatch.setattr(kernels, "selfcheck", lambda isa: True)
-    monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
+    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": [])
     for seconds, want in (
         ({"avx2": 1.0, "avx512vnni": 1.1}, "avx512vnni"),
         ({"avx2": 1.0, "avx512vnni": 1.3}, "avx2"),
@@ -1031,16 +1031,21 @@ def test_a_products_bits_do_not_depend_on_how_far_ahead_it_prefetches(isa):
             lib.sdk_set_prefetch(1)
             lib.sdk_set_prefetch_hint(0)
             want = [kernels.linear(x[:m], packed, isa=isa) for m in range(1, 9)]
-            for blocks, hint in ((2, 0), (3, 1), (4, 0), (8, 1), (1, 1)):
+            settings = ((2, 0, 8, 1), (3, 1, 64, 0), (4, 0, 1, 1), (8, 1, 128, 0), (1, 1, 32, 1))
+            for blocks, hint, small, q6 in settings:
                 lib.sdk_set_prefetch(blocks)
                 lib.sdk_set_prefetch_hint(hint)
+                lib.sdk_set_prefetch_small(small)  # past the end of the blocks of 32's tiles
+                lib.sdk_set_prefetch_q6(q6)
                 for m in range(1, 9):
                     got = kernels.linear(x[:m], packed, isa=isa)
-                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, hint, m)
+                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, hint, small, q6, m)
     finally:
         blocks, hint = kernels.prefetch_choice()
         lib.sdk_set_prefetch(blocks)
         lib.sdk_set_prefetch_hint(kernels.HINTS.index(hint))
+        lib.sdk_set_prefetch_small(kernels.prefetch_small())
+        lib.sdk_set_prefetch_q6(int(kernels.prefetch_q6k_l1()))
 
 
 @pytest.mark.parametrize("isa", SIMD)
@@ -1067,6 +1072,95 @@ def test_a_products_bits_do_not_depend_on_which_thread_takes_a_tile(isa):
         lib.sdk_set_steal(1)
 
 
+def test_the_small_blocks_lead_is_four_records_unless_another_is_clearly_faster(monkeypatch, tmp_path):
+    """The blocks of 32 prefetch their own distance (prefetch_small), timed on a draft's short
+    tiles, recorded per CPU; SPECDECODE_PREFETCH_SMALL forces it and a bad value is one clear error."""
+
+    class Lib:
+        small = 4
+
+        def sdk_set_prefetch_small(self, n):
+            self.small = n
+
+    lib = Lib()
+    monkeypatch.delenv("SPECDECODE_PREFETCH_SMALL", raising=False)
+    monkeypatch.setattr(kernels, "_lib", lambda: lib)
+    monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
+    monkeypatch.setattr(kernels, "prefetch_choice", lambda: (1, "t0"))
+    kinds = []
+    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kinds.append(kind) or [])
+    for seconds, want in (
+        ({4: 1.0, 8: 0.97, 16: 0.98, 32: 0.99, 64: 1.0}, 4),  # within PREFETCH_CLEARLY
+        ({4: 1.0, 8: 0.9, 16: 0.85, 32: 0.8, 64: 0.82}, 32),
+        ({4: 0.8, 8: 0.9, 16: 0.85, 32: 0.81, 64: 0.82}, 4),
+    ):
+        build = tmp_path / str(len(list(tmp_path.iterdir())))
+        build.mkdir()
+        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
+        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.small])
+        kernels.prefetch_small.cache_clear()
+        try:
+            assert kernels.prefetch_small() == want and lib.small == want, seconds
+            lib.small = 4  # a later process reads the recorded choice and times nothing
+            monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
+            kernels.prefetch_small.cache_clear()
+            assert kernels.prefetch_small() == want and lib.small == want
+        finally:
+            kernels.prefetch_small.cache_clear()
+    assert set(kinds) == {"q4_0"}  # a draft's tiles, not the target's
+    try:
+        monkeypatch.setenv("SPECDECODE_PREFETCH_SMALL", "16")
+        assert kernels.prefetch_small() == 16 and lib.small == 16
+        kernels.prefetch_small.cache_clear()
+        for bad in ("0", "129", "far"):
+            monkeypatch.setenv("SPECDECODE_PREFETCH_SMALL", bad)
+            with pytest.raises(SpecDecodeError, match="from 1 to 128"):
+                kernels.prefetch_small()
+            kernels.prefetch_small.cache_clear()
+    finally:
+        kernels.prefetch_small.cache_clear()
+
+
+def test_q6_k_prefetches_to_l1_only_where_that_times_clearly_faster(monkeypatch, tmp_path):
+    class Lib:
+        l1 = 0
+
+        def sdk_set_prefetch_q6(self, l1):
+            self.l1 = l1
+
+    lib = Lib()
+    monkeypatch.delenv("SPECDECODE_PREFETCH_Q6", raising=False)
+    monkeypatch.setattr(kernels, "_lib", lambda: lib)
+    monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
+    monkeypatch.setattr(kernels, "prefetch_choice", lambda: (1, "t0"))
+    kinds = []
+    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kinds.append(kind) or [])
+    for seconds, want in (({0: 1.0, 1: 0.97}, False), ({0: 1.0, 1: 0.9}, True), ({0: 0.8, 1: 1.0}, False)):
+        build = tmp_path / str(len(list(tmp_path.iterdir())))
+        build.mkdir()
+        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
+        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.l1])
+        kernels.prefetch_q6k_l1.cache_clear()
+        try:
+            assert kernels.prefetch_q6k_l1() is want and lib.l1 == want, seconds
+            lib.l1 = 0  # a later process reads the recorded choice and times nothing
+            monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
+            kernels.prefetch_q6k_l1.cache_clear()
+            assert kernels.prefetch_q6k_l1() is want and lib.l1 == want
+        finally:
+            kernels.prefetch_q6k_l1.cache_clear()
+    assert set(kinds) == {"q6_k"}
+    try:
+        monkeypatch.setenv("SPECDECODE_PREFETCH_Q6", "l1")
+        assert kernels.prefetch_q6k_l1() is True and lib.l1 == 1
+        kernels.prefetch_q6k_l1.cache_clear()
+        monkeypatch.setenv("SPECDECODE_PREFETCH_Q6", "l3")
+        with pytest.raises(SpecDecodeError, match="l1 or l2"):
+            kernels.prefetch_q6k_l1()
+    finally:
+        kernels.prefetch_q6k_l1.cache_clear()
+
+
 def test_the_prefetch_hint_is_the_faster_and_the_distance_one_record_unless_another_is_clearly_faster(
     monkeypatch, tmp_path
 ):
@@ -1079,12 +1173,15 @@ def test_the_prefetch_hint_is_the_faster_and_the_distance_one_record_unless_anot
         def sdk_set_prefetch_hint(self, nta):
             self.hint = nta
 
+        def sdk_set_prefetch_q6(self, l1):
+            pass
+
     lib = Lib()
     monkeypatch.delenv("SPECDECODE_PREFETCH", raising=False)
     monkeypatch.delenv("SPECDECODE_PREFETCH_HINT", raising=False)
     monkeypatch.setattr(kernels, "_lib", lambda: lib)
     monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
-    monkeypatch.setattr(kernels, "_timing_weights", lambda: [])
+    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": [])
     t0 = {1: 1.0, 2: 0.99, 3: 0.98, 4: 0.97}  # longer distances within PREFETCH_CLEARLY
     for seconds, want in (  # NTA unless T0 is clearly faster (products alone cannot see its gain)
         ({**{(b, 0): s for b, s in t0.items()}, **{(b, 1): s + 0.1 for b, s in t0.items()}}, (1, "t0")),

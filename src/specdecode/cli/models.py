@@ -86,7 +86,16 @@ def _progress(i: int, n: int, what: str) -> None:
 
 def kernel_line() -> str:
     """What the kq rows ran on: the kernel's path and the paths that passed its self-check."""
-    from ..kernels import NO_AMX, amx_rows, available, chosen_isa, prefetch_choice, runnable_isas, selfcheck
+    from ..kernels import (
+        NO_AMX,
+        amx_rows,
+        available,
+        chosen_isa,
+        prefetch_choice,
+        prefetch_small,
+        runnable_isas,
+        selfcheck,
+    )
 
     if not available():
         return "kq: specdecode's kernel is not built here (no C compiler?); its rows are left out"
@@ -100,8 +109,8 @@ def kernel_line() -> str:
     return (
         f"kq: specdecode's kernel on the {chosen_isa()} path (this CPU runs {runs}; "
         f"bit-exact against the reference: {', '.join(checked)}; SPECDECODE_ISA=... forces one; "
-        "products of several rows prefetch {} record(s) ahead, hint {}, timed".format(*prefetch_choice())
-        + f"{tiles})"
+        "products of several rows prefetch {} record(s) ahead, hint {}, ".format(*prefetch_choice())
+        + f"blocks of 32 {prefetch_small()} records ahead, timed{tiles})"
     )
 
 

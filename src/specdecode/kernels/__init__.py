@@ -32,7 +32,7 @@ from .store import cached, source_tag
 
 ISAS = ("ref", "avx2", "avxvnni", "avx512vnni", "amx")  # sdk.h's SDK_ISA_* order, narrow to wide
 CLEARLY = 1.15  # a narrower path is chosen over a wider one only when this much faster
-ABI = 9
+ABI = 11
 PRE = {None: 0, "rms_norm": 1, "swiglu": 2}  # sdk_quantize's pre-pass codes
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "chosen_isa",
     "prefetch_blocks",
     "prefetch_choice",
+    "prefetch_q6k_l1",
+    "prefetch_small",
     "linear",
     "linear_parts",
     "float_linear",
@@ -96,6 +98,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.sdk_set_prefetch.argtypes = [i]
     lib.sdk_set_prefetch.restype = None
     lib.sdk_set_prefetch_hint.argtypes = [i]
+    lib.sdk_set_prefetch_small.argtypes = [i]
+    lib.sdk_set_prefetch_small.restype = None
+    lib.sdk_set_prefetch_q6.argtypes = [i]
+    lib.sdk_set_prefetch_q6.restype = None
     lib.sdk_set_prefetch_hint.restype = None
     lib.sdk_evict.argtypes = [P, L]
     lib.sdk_evict.restype = None
@@ -249,6 +255,8 @@ def _isa_index(isa: str | None) -> int:
     if isa is None:
         isa = chosen_isa()
         prefetch_blocks()
+        prefetch_small()
+        prefetch_q6k_l1()
         amx_rows()
     return ISAS.index(isa)
 
@@ -807,8 +815,8 @@ HINTS = ("t0", "nta")  # the prefetches' cache hint: to L1 (Q6_K's to L2), or no
 
 def prefetch_blocks() -> int:
     """How many weight records ahead the SIMD paths prefetch Q4_K and Q6_K in a product of two
-    or more rows (one row: one record; Q8_0 and Q5_0, whose records are small: 4, or 8 x this when
-    above one, at every row count); prefetch_choice() says it with the hint."""
+    or more rows (one row: one record; the blocks of 32: prefetch_small()); prefetch_choice() says
+    it with the hint."""
     return prefetch_choice()[0]
 
 
@@ -847,6 +855,90 @@ def prefetch_choice() -> tuple[int, str]:
     lib.sdk_set_prefetch(chosen[0])
     lib.sdk_set_prefetch_hint(HINTS.index(chosen[1]))
     return chosen
+
+
+SMALL = (4, 8, 16, 32, 64)  # records ahead the blocks of 32 may prefetch (the first: the default)
+
+
+@functools.cache
+def prefetch_small() -> int:
+    """Records ahead the SIMD paths prefetch the blocks of 32 (Q8_0, Q5_0, Q4_0, Q3_0: a draft
+    model's formats), at every row count. Speed only, never bits. Their records are 160-544 bytes,
+    so the lead that pays is longer than Q4_K's and the CPU's own: 32 on a Zen 5 EPYC (the 0.5B's
+    one-row step 7% faster than at 4, five rows 17%) and on a Zen 4 EPYC, whose Q4_K distance is
+    one record (the kq4 draft's step 17% faster; benchmarks/NOTES.md, issue 53).
+    SPECDECODE_PREFETCH_SMALL=1..128 forces it; else 1 and 5 rows through 56 MB of random Q4_0
+    blocks are timed at each distance of SMALL, interleaved, with the chosen hint: 4 unless
+    another is PREFETCH_CLEARLY faster (kept in the build's choice.json per CPU, as chosen_isa)."""
+    lib = _lib()
+    if lib is None:
+        return SMALL[0]
+    forced = os.environ.get("SPECDECODE_PREFETCH_SMALL")
+    if forced and (not forced.isdigit() or not 1 <= int(forced) <= 128):
+        raise SpecDecodeError(f"SPECDECODE_PREFETCH_SMALL={forced!r}: give a number of records from 1 to 128")
+    isa = chosen_isa()
+    if forced or isa == "ref":  # the scalar reference prefetches nothing
+        chosen = int(forced) if forced else SMALL[0]
+    else:
+        prefetch_choice()  # the hint the timing runs with
+        key = f"{cpu_name()} {isa} prefetch small"
+        got = _recorded(key)
+        if got in SMALL:
+            chosen = got
+        else:
+            chosen = _time_prefetch_small(lib, isa)
+            _record(key, chosen)
+    lib.sdk_set_prefetch_small(chosen)
+    return chosen
+
+
+@functools.cache
+def prefetch_q6k_l1() -> bool:
+    """Whether Q6_K's prefetches go to L1 (T0) for one or two rows (the AVX2 path: at every row
+    count) instead of L2 (T1). Speed only, never bits, and the CPU's: L1 made a Zen 5 EPYC's Q6_K
+    head and down 5-7% faster at one row, and a Zen 4 EPYC's 28% slower (its 1.5B step 12%).
+    SPECDECODE_PREFETCH_Q6=l1|l2 forces it; else one and two rows through 83 MB of random Q6_K are
+    timed with each, interleaved, after the distance and hint: L2 unless L1 is PREFETCH_CLEARLY
+    faster (kept in the build's choice.json per CPU, as chosen_isa)."""
+    lib = _lib()
+    if lib is None:
+        return False
+    forced = os.environ.get("SPECDECODE_PREFETCH_Q6")
+    if forced and forced not in ("l1", "l2"):
+        raise SpecDecodeError(f"SPECDECODE_PREFETCH_Q6={forced!r}: give l1 or l2")
+    isa = chosen_isa()
+    if forced or isa == "ref":
+        chosen = forced == "l1"
+    else:
+        prefetch_choice()  # the distance and hint the timing runs with
+        key = f"{cpu_name()} {isa} prefetch q6_k l1"
+        got = _recorded(key)
+        if isinstance(got, bool):
+            chosen = got
+        else:
+            weights = _timing_weights("q6_k")
+            seconds = {False: float("inf"), True: float("inf")}
+            for _ in range(5):
+                for l1 in seconds:
+                    lib.sdk_set_prefetch_q6(int(l1))
+                    seconds[l1] = min(seconds[l1], _timed(isa, weights, rows=(1, 2), repeats=1))
+            chosen = seconds[True] * PREFETCH_CLEARLY < seconds[False]
+            _record(key, chosen)
+    lib.sdk_set_prefetch_q6(int(chosen))
+    return chosen
+
+
+def _time_prefetch_small(lib, isa: str) -> int:
+    """prefetch_small's timing: every distance of SMALL, interleaved five times, the fastest pass
+    of each; the first unless another is PREFETCH_CLEARLY faster."""
+    weights = _timing_weights("q4_0")
+    seconds = dict.fromkeys(SMALL, float("inf"))
+    for _ in range(5):
+        for n in SMALL:
+            lib.sdk_set_prefetch_small(n)
+            seconds[n] = min(seconds[n], _timed(isa, weights, rows=(1, 5), repeats=1))
+    best = min(SMALL, key=seconds.__getitem__)
+    return SMALL[0] if seconds[SMALL[0]] <= PREFETCH_CLEARLY * seconds[best] else best
 
 
 AMX_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48)  # the row counts at which the AMX choices are timed
@@ -947,15 +1039,17 @@ def _time_amx_rows(lib) -> tuple[int, int, int]:
 
 
 def _time_prefetch(lib, isa: str) -> tuple[int, str]:
-    """prefetch_choice's timing: every (distance, hint), interleaved three times, the fastest pass
+    """prefetch_choice's timing: every (distance, hint), interleaved five times, the fastest pass
     of each. The hint is non-temporal unless T0 is PREFETCH_CLEARLY faster: products alone time
     the same with either on a Zen 5 EPYC (56 and 232 MB of Q4_K, 1 and 5 rows), while its whole
     forwards ran 3-4% faster with NTA (the weights' stream leaves L2 to the activations, the cache
     and the rest of the step: benchmarks/NOTES.md, issue 53), so the timing only guards against a
-    CPU whose products NTA slows (lines evicted before their loads)."""
-    weights = _timing_weights()
+    CPU whose products NTA slows (lines evicted before their loads): a Zen 4 EPYC's Q6_K, hence
+    the target-shaped mix of Q4_K and Q6_K it times (_timing_weights("mix"))."""
+    weights = _timing_weights("mix")
+    lib.sdk_set_prefetch_q6(0)  # Q6_K to L2 while the distance is timed (prefetch_q6k_l1 follows)
     seconds = {(b, h): float("inf") for b in PREFETCH for h in HINTS}
-    for _ in range(3):  # interleaved: memory speed moves within seconds on a VM
+    for _ in range(5):  # interleaved: memory speed moves within seconds on a VM
         for b, h in seconds:
             lib.sdk_set_prefetch(b)
             lib.sdk_set_prefetch_hint(HINTS.index(h))
@@ -994,16 +1088,31 @@ def _timed(
 
 
 def _timing_weights(kind: str = "q4_k") -> list[PackedWeight]:
-    """Six distinct copies of a random 4096 x 4096 matrix of Q4_K (or Q6_K) blocks."""
+    """Distinct random weights (each pass reads them from memory), ~56-63 MB: six copies of a
+    4096 x 4096 matrix of Q4_K (or Q6_K) blocks; "q4_0": six of 20480 x 896 Q4_0, a draft's
+    short tiles (28 records a tile: a lead of 4 records left a fifth of each tile to demand
+    misses on a Zen 4 EPYC, where 4096 inputs timed every distance alike); "mix": a target's
+    tiles, 1536 inputs (6 Q4_K records a tile), four Q4_K matrices of 12288 rows and two Q6_K of
+    8192 (a third of the bytes: the Q4_K_M files keep the head and half the down projections in
+    Q6_K, whose best hint and lead differ from Q4_K's: on a Zen 4 EPYC NTA made Q6_K 15-25% slower
+    at one row and 40% at five, Q4_K about equal, and the 1.5B's step 12% slower)."""
     gen = np.random.default_rng(1)
-    if kind == "q6_k":
-        one = PackedWeight(_q6_k_of(np.zeros((4096, 4096), np.float32), gen))
-    else:
-        raw = gen.integers(0, 256, (4096, 16, 144), dtype=np.uint8)
+
+    def q4_k(n, k):
+        raw = gen.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
         raw[..., 0:4] = np.array([0.01, 0.01], np.float16).view(np.uint8)  # small finite d, dmin
-        one = PackedWeight(BlockWeight("q4_k", raw.reshape(4096, -1), 4096))
+        return PackedWeight(BlockWeight("q4_k", raw.reshape(n, -1), k))
+
+    if kind == "mix":
+        ones = [q4_k(12288, 1536)] * 4 + [PackedWeight(_q6_k_of(np.zeros((8192, 1536), np.float32), gen))] * 2
+    elif kind == "q6_k":
+        ones = [PackedWeight(_q6_k_of(np.zeros((4096, 4096), np.float32), gen))] * 6
+    elif kind == "q4_0":
+        ones = [PackedWeight(_q4_0_of(np.zeros((20480, 896), np.float32), gen))] * 6
+    else:
+        ones = [q4_k(4096, 4096)] * 6
     copies = []
-    for _ in range(6):  # distinct buffers: each pass reads them from memory
+    for one in ones:  # distinct buffers
         w = PackedWeight.__new__(PackedWeight)
         w.__dict__.update(one.__dict__, tiles=one.tiles.clone())
         copies.append(w)

@@ -100,6 +100,16 @@ void sdk_tile_amx(int, const uint8_t *, int, const sdk_act *, int, int, float *,
 extern int sdk_pf_blocks; /* how many records ahead a product of two or more rows prefetches (the
                            * SIMD paths' Q4_K and Q6_K; one row: one record). Speed only, never
                            * bits: set by sdk_set_prefetch from a timing (kernels.prefetch_blocks) */
+extern int sdk_pf_small; /* how many records ahead the blocks of 32 (Q8_0, Q5_0, Q4_0, Q3_0: a draft's
+                          * formats) prefetch, at every row count: their records are small (160-544
+                          * bytes), so the lead that pays is longer and the CPU's (a Zen 4 EPYC's
+                          * 0.5B kq4 step 17% faster at 32 than at 4). Speed only, never bits: set by
+                          * sdk_set_prefetch_small from a timing (kernels.prefetch_choice) */
+#define SDK_PF_SMALL(rec) ((long)sdk_pf_small * (rec))
+extern int sdk_pf_q6_l1; /* 1: Q6_K's prefetches go to L1 (T0) for one or two rows (AVX2: every row count)
+                          * instead of L2 (T1): on a Zen 5 EPYC the 1.5B's Q6_K head and down 5-7%
+                          * faster at one row, on a Zen 4 EPYC 28% slower. Speed only, never bits: set
+                          * by sdk_set_prefetch_q6 from a timing (kernels.prefetch_q6k_l1) */
 extern int sdk_pf_nta; /* 1: the SIMD paths' weight prefetches carry the non-temporal hint (NTA) instead
                         * of T0 / T1: on a Zen 5 EPYC the 1.5B's step 3-4% faster and the pair's
                         * rounds 4-5% (benchmarks/NOTES.md, issue 53); speed only, never bits: set by

@@ -36,7 +36,6 @@ int sdk_get_amx_rows(int which) { return which >= 0 && which < 3 ? sdk_amx_min_r
 
 #define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
 #define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
-#define SDK_PF_SMALL(rec) (sdk_pf_blocks == 1 ? 4L * (rec) : 8L * sdk_pf_blocks * (rec))
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

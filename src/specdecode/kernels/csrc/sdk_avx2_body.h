@@ -52,11 +52,11 @@ static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 
 /* software prefetch about one block ahead in the read stream (see sdk_avx512vnni.c) */
 #define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
 #define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
-/* Q6_K's lines: to L2, or to L1 where a lead of more than one record was timed (a Zen 5 EPYC,
- * forced AVX2: the 1.5B's Q6_K head and down 6-11% faster at one row, 5-7% at five) */
+/* Q6_K's lines: to L2, or to L1 where that was timed faster (sdk_pf_q6_l1; a Zen 5 EPYC, forced
+ * AVX2: the 1.5B's Q6_K head and down 6-11% faster at one row, 5-7% at five) */
 #define PF6(p)                      \
     do {                            \
-        if (sdk_pf_blocks > 1)      \
+        if (sdk_pf_q6_l1)           \
             PF(p);                  \
         else                        \
             PF2(p);                 \
@@ -316,8 +316,8 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
      * distance; Q5_0 and Q8_0 four records, or 8 x the distance when it is above one) */
     const long pf4 = rows == 1 ? SDK_Q4K_REC : (long)sdk_pf_blocks * SDK_Q4K_REC;
     const long pf6 = rows == 1 ? SDK_Q6K_REC : (long)sdk_pf_blocks * SDK_Q6K_REC;
-    const long pf5 = sdk_pf_blocks == 1 ? 4L * SDK_Q5_REC : 8L * sdk_pf_blocks * SDK_Q5_REC;
-    const long pf8 = sdk_pf_blocks == 1 ? 4L * SDK_Q8_REC : 8L * sdk_pf_blocks * SDK_Q8_REC;
+    const long pf5 = SDK_PF_SMALL(SDK_Q5_REC);
+    const long pf8 = SDK_PF_SMALL(SDK_Q8_REC);
     for (int r = 0; r < rows * 2; r++) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());
     if (type == SDK_Q4K) {
         if (rows <= SDK_DIRECT_Q4K) {
@@ -404,7 +404,7 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
         const int five = type == SDK_Q5_0, three = type == SDK_Q3_0, off = five ? 16 : three ? 4 : 8;
         const long ints = five ? SDK_Q5_INTS : three ? SDK_Q3_INTS : SDK_Q4_INTS;
         const long recb = five ? SDK_Q5_REC : three ? SDK_Q3_REC : SDK_Q4_REC;
-        const long pf50 = five ? pf5 : (sdk_pf_blocks == 1 ? 4L * recb : 8L * sdk_pf_blocks * recb);
+        const long pf50 = five ? pf5 : SDK_PF_SMALL(recb);
         const __m256i bit4 = _mm256_set1_epi8(0x10), bit2 = _mm256_set1_epi8(0x04);
         const uint8_t *tile = rec;
         for (int b = 0; b < nblk; b++, rec += ints) {

@@ -19,23 +19,23 @@
  * (kernels.prefetch_blocks) */
 #define SDK_PF_Q4K pf
 #define SDK_PF_Q6K pf
-/* Q8_0's and Q5_0's records are small (512 and 320 bytes of integers): four ahead, or, where the
- * timing chose a longer lead, 8 x sdk_pf_blocks at every row count (about Q4_K's bytes ahead; on
- * the Zen 5 EPYC 32 records made the 0.5B's one-row step 7% and its 5-row step 17% faster). Their
+/* The blocks of 32 (Q8_0, Q5_0, Q4_0, Q3_0) have small records (160-544 bytes): sdk_pf_small of them
+ * ahead at every row count, timed apart from Q4_K's distance (SDK_PF_SMALL; on the Zen 5 EPYC 32
+ * records made the 0.5B's one-row step 7% and its 5-row step 17% faster than 4, on a Zen 4 EPYC
+ * the kq4 draft's step 17% faster, where Q4_K's timed distance is one record). Their
  * tile is read as two streams (the integers, then the scales at its end), so the prefetch walks
  * the tile's bytes as one stream instead: block b asks for its share, bytes [b, b + 1) x REC, the
  * distance ahead. Prefetching each block's own integers and scales had left ~9% of every tile's
  * lines (its first ones, and its scales) to the hardware, and a one-row product read 77% of Q4_K's
  * GB/s; walking the tile made one row ~18% and two to five rows 10-27% faster (NOTES, issue 53) */
-#define SDK_PF_SMALL(rec) (sdk_pf_blocks == 1 ? 4L * (rec) : 8L * sdk_pf_blocks * (rec))
 #define PF(p) SDK_PREFETCH(p, _MM_HINT_T0)
 #define PF2(p) SDK_PREFETCH(p, _MM_HINT_T1)
-/* Q6_K's lines: to L2 where one record of lead was timed the best (a Zen 4 EPYC); for one or two
- * rows to L1 where a longer lead was (a Zen 5 EPYC: the 1.5B's Q6_K head and down 5-7% faster at
- * one row, 2-7% at two; at five rows L1 was 0-3% slower) */
+/* Q6_K's lines: to L2, or for one or two rows to L1 where that was timed faster (sdk_pf_q6_l1: a Zen 5
+ * EPYC, the 1.5B's Q6_K head and down 5-7% faster at one row, 2-7% at two; at five rows L1 was 0-3%
+ * slower; on a Zen 4 EPYC L1 was 28% slower at one row) */
 #define PF6(p)                                  \
     do {                                        \
-        if (R <= 2 && sdk_pf_blocks > 1)        \
+        if (R <= 2 && sdk_pf_q6_l1)             \
             PF(p);                              \
         else                                    \
             PF2(p);                             \

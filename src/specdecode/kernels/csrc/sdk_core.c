@@ -27,11 +27,15 @@ extern void sdk_tile_amx(int, const uint8_t *, int, const sdk_act *, int, int, f
 extern void sdk_amx_release(void) __attribute__((weak));
 extern int sdk_get_amx_rows(int) __attribute__((weak));
 
-int sdk_abi_version(void) { return 9; }
+int sdk_abi_version(void) { return 11; }
 
 void sdk_set_fault(int on) { sdk_fault = on; }
 
 void sdk_set_prefetch(int blocks) { sdk_pf_blocks = blocks < 1 ? 1 : blocks > 8 ? 8 : blocks; }
+
+void sdk_set_prefetch_small(int records) { sdk_pf_small = records < 1 ? 1 : records > 128 ? 128 : records; }
+
+void sdk_set_prefetch_q6(int l1) { sdk_pf_q6_l1 = l1 != 0; }
 
 void sdk_set_prefetch_hint(int nta) { sdk_pf_nta = nta != 0; }
 
