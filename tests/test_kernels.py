@@ -1032,20 +1032,22 @@ def test_a_products_bits_do_not_depend_on_how_far_ahead_it_prefetches(isa):
             lib.sdk_set_prefetch_hint(0)
             want = [kernels.linear(x[:m], packed, isa=isa) for m in range(1, 9)]
             settings = ((2, 0, 8, 1), (3, 1, 64, 0), (4, 0, 1, 1), (8, 1, 128, 0), (1, 1, 32, 1))
-            for blocks, hint, small, q6 in settings:
+            for (blocks, hint, small, q6), one in zip(settings, (2, 8, 1, 4, 3)):
+                lib.sdk_set_prefetch_one(one)
                 lib.sdk_set_prefetch(blocks)
                 lib.sdk_set_prefetch_hint(hint)
                 lib.sdk_set_prefetch_small(small)  # past the end of the blocks of 32's tiles
                 lib.sdk_set_prefetch_q6(q6)
                 for m in range(1, 9):
                     got = kernels.linear(x[:m], packed, isa=isa)
-                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, hint, small, q6, m)
+                    assert torch.equal(got, want[m - 1]), (w.kind, blocks, hint, small, q6, one, m)
     finally:
         blocks, hint = kernels.prefetch_choice()
         lib.sdk_set_prefetch(blocks)
         lib.sdk_set_prefetch_hint(kernels.HINTS.index(hint))
         lib.sdk_set_prefetch_small(kernels.prefetch_small())
         lib.sdk_set_prefetch_q6(int(kernels.prefetch_q6k_l1()))
+        lib.sdk_set_prefetch_one(kernels.prefetch_one())
 
 
 @pytest.mark.parametrize("isa", SIMD)
@@ -1119,6 +1121,51 @@ def test_the_small_blocks_lead_is_four_records_unless_another_is_clearly_faster(
             kernels.prefetch_small.cache_clear()
     finally:
         kernels.prefetch_small.cache_clear()
+
+
+def test_a_one_row_products_lead_is_one_record_unless_another_is_clearly_faster(monkeypatch, tmp_path):
+    class Lib:
+        one = 1
+
+        def sdk_set_prefetch_one(self, n):
+            self.one = n
+
+    lib = Lib()
+    monkeypatch.delenv("SPECDECODE_PREFETCH_ONE", raising=False)
+    monkeypatch.setattr(kernels, "_lib", lambda: lib)
+    monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
+    monkeypatch.setattr(kernels, "prefetch_choice", lambda: (1, "t0"))
+    monkeypatch.setattr(kernels, "prefetch_q6k_l1", lambda: False)
+    kinds = []
+    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kinds.append(kind) or [])
+    for seconds, want in (
+        ({1: 1.0, 2: 0.99, 3: 0.995, 4: 1.0}, 1),  # within ONE_CLEARLY
+        ({1: 1.0, 2: 0.92, 3: 0.95, 4: 0.97}, 2),
+        ({1: 0.9, 2: 1.0, 3: 0.95, 4: 0.97}, 1),
+    ):
+        build = tmp_path / str(len(list(tmp_path.iterdir())))
+        build.mkdir()
+        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
+        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.one])
+        kernels.prefetch_one.cache_clear()
+        try:
+            assert kernels.prefetch_one() == want and lib.one == want, seconds
+            lib.one = 1  # a later process reads the recorded choice and times nothing
+            monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
+            kernels.prefetch_one.cache_clear()
+            assert kernels.prefetch_one() == want and lib.one == want
+        finally:
+            kernels.prefetch_one.cache_clear()
+    assert set(kinds) == {"mix"}
+    try:
+        monkeypatch.setenv("SPECDECODE_PREFETCH_ONE", "3")
+        assert kernels.prefetch_one() == 3 and lib.one == 3
+        kernels.prefetch_one.cache_clear()
+        monkeypatch.setenv("SPECDECODE_PREFETCH_ONE", "9")
+        with pytest.raises(SpecDecodeError, match="from 1 to 8"):
+            kernels.prefetch_one()
+    finally:
+        kernels.prefetch_one.cache_clear()
 
 
 def test_q6_k_prefetches_to_l1_only_where_that_times_clearly_faster(monkeypatch, tmp_path):

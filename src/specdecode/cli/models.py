@@ -92,6 +92,8 @@ def kernel_line() -> str:
         available,
         chosen_isa,
         prefetch_choice,
+        prefetch_one,
+        prefetch_q6k_l1,
         prefetch_small,
         runnable_isas,
         selfcheck,
@@ -110,7 +112,9 @@ def kernel_line() -> str:
         f"kq: specdecode's kernel on the {chosen_isa()} path (this CPU runs {runs}; "
         f"bit-exact against the reference: {', '.join(checked)}; SPECDECODE_ISA=... forces one; "
         "products of several rows prefetch {} record(s) ahead, hint {}, ".format(*prefetch_choice())
-        + f"blocks of 32 {prefetch_small()} records ahead, timed{tiles})"
+        + f"one row {prefetch_one()}, blocks of 32 {prefetch_small()}, Q6_K to "
+        + ("L1" if prefetch_q6k_l1() else "L2")
+        + f", timed{tiles})"
     )
 
 

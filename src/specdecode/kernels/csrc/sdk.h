@@ -106,6 +106,9 @@ extern int sdk_pf_small; /* how many records ahead the blocks of 32 (Q8_0, Q5_0,
                           * 0.5B kq4 step 17% faster at 32 than at 4). Speed only, never bits: set by
                           * sdk_set_prefetch_small from a timing (kernels.prefetch_choice) */
 #define SDK_PF_SMALL(rec) ((long)sdk_pf_small * (rec))
+extern int sdk_pf_one; /* records ahead a one-row Q4_K / Q6_K product prefetches: on a Zen 4 EPYC 2 made the
+                        * 1.5B's one-row step 8-10% faster than 1. Speed only, never bits: set by
+                        * sdk_set_prefetch_one from a timing (kernels.prefetch_one) */
 extern int sdk_pf_q6_l1; /* 1: Q6_K's prefetches go to L1 (T0) for one or two rows (AVX2: every row count)
                           * instead of L2 (T1): on a Zen 5 EPYC the 1.5B's Q6_K head and down 5-7%
                           * faster at one row, on a Zen 4 EPYC 28% slower. Speed only, never bits: set

@@ -314,8 +314,8 @@ void SDK_TILE_FN(int type, const uint8_t *rec, int nblk, const sdk_act *a, int m
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     /* how far ahead the reads prefetch (sdk_avx512vnni.c: one record for one row, else the timed
      * distance; Q5_0 and Q8_0 four records, or 8 x the distance when it is above one) */
-    const long pf4 = rows == 1 ? SDK_Q4K_REC : (long)sdk_pf_blocks * SDK_Q4K_REC;
-    const long pf6 = rows == 1 ? SDK_Q6K_REC : (long)sdk_pf_blocks * SDK_Q6K_REC;
+    const long pf4 = rows == 1 ? (long)sdk_pf_one * SDK_Q4K_REC : (long)sdk_pf_blocks * SDK_Q4K_REC;
+    const long pf6 = rows == 1 ? (long)sdk_pf_one * SDK_Q6K_REC : (long)sdk_pf_blocks * SDK_Q6K_REC;
     const long pf5 = SDK_PF_SMALL(SDK_Q5_REC);
     const long pf8 = SDK_PF_SMALL(SDK_Q8_REC);
     for (int r = 0; r < rows * 2; r++) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());

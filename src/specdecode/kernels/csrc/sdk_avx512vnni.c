@@ -13,8 +13,8 @@
 
 /* software prefetch ahead in the read stream: the hardware prefetcher alone left a 5-row product
  * waiting on memory. Q6_K's lines go to L2 (T1), the others' to L1: each the faster of the two in
- * A/B runs on an AMD EPYC (benchmarks/NOTES.md, issue 53). Q4_K and Q6_K look one record ahead for
- * one row and sdk_pf_blocks records ahead for more: the distance that pays depends on the CPU (1
+ * A/B runs on an AMD EPYC (benchmarks/NOTES.md, issue 53). Q4_K and Q6_K look sdk_pf_one records ahead
+ * for one row and sdk_pf_blocks records ahead for more: the distance that pays depends on the CPU (1
  * on a Zen 4 EPYC, 3 on a Zen 5 EPYC, whose 5-row step it made 26% faster), so it is timed
  * (kernels.prefetch_blocks) */
 #define SDK_PF_Q4K pf
@@ -75,7 +75,7 @@ static inline void store_row(float *acc, __m512i isum, __m512 d, const __m512i *
 static inline __attribute__((always_inline)) void q4k_block(const int R, const uint8_t *tile, int nblk,
                                                             const sdk_act *a, int m, int b, float *acc) {
     const uint8_t *rec = tile + (size_t)b * SDK_Q4K_REC;
-    const long pf = R == 1 ? SDK_Q4K_REC : (long)sdk_pf_blocks * SDK_Q4K_REC;
+    const long pf = R == 1 ? (long)sdk_pf_one * SDK_Q4K_REC : (long)sdk_pf_blocks * SDK_Q4K_REC;
     (void)nblk;
     const int kp = a->kp;
     const __m512i low4 = _mm512_set1_epi8(0x0f), lo16 = _mm512_set1_epi32(0xffff);
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void q6k_block(const int R, const u
                                                             const sdk_act *a, int m, int b, float *acc) {
     const uint8_t *rec = tile + (size_t)b * SDK_Q6K_REC;
     const uint8_t *scales = rec + SDK_Q6K_INTS;
-    const long pf = R == 1 ? SDK_Q6K_REC : (long)sdk_pf_blocks * SDK_Q6K_REC;
+    const long pf = R == 1 ? (long)sdk_pf_one * SDK_Q6K_REC : (long)sdk_pf_blocks * SDK_Q6K_REC;
     (void)nblk;
     const int kp = a->kp;
     const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);

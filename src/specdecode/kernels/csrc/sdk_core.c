@@ -35,6 +35,8 @@ void sdk_set_prefetch(int blocks) { sdk_pf_blocks = blocks < 1 ? 1 : blocks > 8 
 
 void sdk_set_prefetch_small(int records) { sdk_pf_small = records < 1 ? 1 : records > 128 ? 128 : records; }
 
+void sdk_set_prefetch_one(int n) { sdk_pf_one = n < 1 ? 1 : n > 8 ? 8 : n; }
+
 void sdk_set_prefetch_q6(int l1) { sdk_pf_q6_l1 = l1 != 0; }
 
 void sdk_set_prefetch_hint(int nta) { sdk_pf_nta = nta != 0; }

@@ -10,6 +10,7 @@ int sdk_fault = 0;
 int sdk_pf_blocks = 1;
 int sdk_pf_small = 4;
 int sdk_pf_q6_l1 = 0;
+int sdk_pf_one = 1;
 int sdk_pf_nta = 0;
 
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
