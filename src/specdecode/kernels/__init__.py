@@ -862,6 +862,55 @@ def prefetch_choice() -> tuple[int, str]:
 
 
 SMALL = (4, 8, 16, 32, 64)  # records ahead the blocks of 32 may prefetch (the first: the default)
+ONE = (1, 2, 3, 4)  # records ahead a one-row Q4_K / Q6_K product may prefetch (the first: the default)
+ONE_CLEARLY = 1.02  # products alone show a third to half of a forward's gain (Zen 4: 2-5% against 9%)
+
+
+def _timed_knob(
+    name: str,
+    env: str,
+    parse,
+    setter: str,
+    candidates: tuple,
+    clearly: float,
+    kind: str,
+    rows: tuple,
+    rounds: int,
+):
+    """One of the prefetch settings timed after the distance and hint (prefetch_small, prefetch_one,
+    prefetch_q6k_l1): the environment's value (parse: it or None when invalid) when set, the
+    first candidate on the reference path, else the recorded choice of this build and CPU, else
+    each candidate timed over _timing_weights(kind) at `rows`, interleaved `rounds` times: the
+    first unless another is `clearly` faster. Set in the library either way."""
+    lib = _lib()
+    if lib is None:
+        return candidates[0]
+    forced = os.environ.get(env)
+    if forced and parse(forced) is None:
+        raise SpecDecodeError(f"{env}={forced!r}: give {name}")
+    isa = chosen_isa()
+    if forced or isa == "ref":  # the scalar reference prefetches nothing
+        chosen = parse(forced) if forced else candidates[0]
+    else:
+        prefetch_choice()  # the distance and hint the timing runs with
+        key = f"{cpu_name()} {isa} prefetch {setter}"
+        chosen = _recorded(key)
+        if chosen not in candidates or type(chosen) is not type(candidates[0]):
+            weights = _timing_weights(kind)
+            seconds = dict.fromkeys(candidates, float("inf"))
+            for _ in range(rounds):  # interleaved: memory speed moves within seconds on a VM
+                for c in candidates:
+                    getattr(lib, setter)(int(c))
+                    seconds[c] = min(seconds[c], _timed(isa, weights, rows=rows, repeats=1))
+            best = min(candidates, key=seconds.__getitem__)
+            chosen = candidates[0] if seconds[candidates[0]] <= clearly * seconds[best] else best
+            _record(key, chosen)
+    getattr(lib, setter)(int(chosen))
+    return chosen
+
+
+def _records(low: int, high: int):
+    return lambda v: int(v) if v.isdigit() and low <= int(v) <= high else None
 
 
 @functools.cache
@@ -871,33 +920,14 @@ def prefetch_small() -> int:
     so the lead that pays is longer than Q4_K's and the CPU's own: 32 on a Zen 5 EPYC (the 0.5B's
     one-row step 7% faster than at 4, five rows 17%) and on a Zen 4 EPYC, whose Q4_K distance is
     one record (the kq4 draft's step 17% faster; benchmarks/NOTES.md, issue 53).
-    SPECDECODE_PREFETCH_SMALL=1..128 forces it; else 1 and 5 rows through 56 MB of random Q4_0
-    blocks are timed at each distance of SMALL, interleaved, with the chosen hint: 4 unless
-    another is PREFETCH_CLEARLY faster (kept in the build's choice.json per CPU, as chosen_isa)."""
-    lib = _lib()
-    if lib is None:
-        return SMALL[0]
-    forced = os.environ.get("SPECDECODE_PREFETCH_SMALL")
-    if forced and (not forced.isdigit() or not 1 <= int(forced) <= 128):
-        raise SpecDecodeError(f"SPECDECODE_PREFETCH_SMALL={forced!r}: give a number of records from 1 to 128")
-    isa = chosen_isa()
-    if forced or isa == "ref":  # the scalar reference prefetches nothing
-        chosen = int(forced) if forced else SMALL[0]
-    else:
-        prefetch_choice()  # the hint the timing runs with
-        key = f"{cpu_name()} {isa} prefetch small"
-        got = _recorded(key)
-        if got in SMALL:
-            chosen = got
-        else:
-            chosen = _time_prefetch_small(lib, isa)
-            _record(key, chosen)
-    lib.sdk_set_prefetch_small(chosen)
-    return chosen
-
-
-ONE = (1, 2, 3, 4)  # records ahead a one-row Q4_K / Q6_K product may prefetch (the first: the default)
-ONE_CLEARLY = 1.02  # products alone show a third to half of a forward's gain (Zen 4: 2-5% against 9%)
+    SPECDECODE_PREFETCH_SMALL=1..128 forces it; else 1 and 5 rows through 62 MB of random Q4_0
+    blocks with a draft's 896 inputs are timed at each distance of SMALL, interleaved five times,
+    with the chosen hint: 4 unless another is PREFETCH_CLEARLY faster (kept in the build's
+    choice.json per CPU, as chosen_isa)."""
+    return _timed_knob(
+        "a number of records from 1 to 128", "SPECDECODE_PREFETCH_SMALL", _records(1, 128),
+        "sdk_set_prefetch_small", SMALL, PREFETCH_CLEARLY, "q4_0", (1, 5), 5,
+    )
 
 
 @functools.cache
@@ -906,36 +936,13 @@ def prefetch_one() -> int:
     only, never bits: on a Zen 4 EPYC two records made the 1.5B's one-row step 8-10% faster than
     one (28.4-29.7 ms against 31.2-32.9, interleaved), where products alone time 2-5% apart.
     SPECDECODE_PREFETCH_ONE=1..8 forces it; else one row through the target-shaped mix is timed at
-    each distance of ONE, interleaved seven times, after the other prefetch choices: one record
-    unless another is ONE_CLEARLY faster (kept in the build's choice.json per CPU, as chosen_isa)."""
-    lib = _lib()
-    if lib is None:
-        return ONE[0]
-    forced = os.environ.get("SPECDECODE_PREFETCH_ONE")
-    if forced and (not forced.isdigit() or not 1 <= int(forced) <= 8):
-        raise SpecDecodeError(f"SPECDECODE_PREFETCH_ONE={forced!r}: give a number of records from 1 to 8")
-    isa = chosen_isa()
-    if forced or isa == "ref":
-        chosen = int(forced) if forced else ONE[0]
-    else:
-        prefetch_choice()
-        prefetch_q6k_l1()
-        key = f"{cpu_name()} {isa} prefetch one row"
-        got = _recorded(key)
-        if got in ONE:
-            chosen = got
-        else:
-            weights = _timing_weights("mix")
-            seconds = dict.fromkeys(ONE, float("inf"))
-            for _ in range(7):
-                for n in ONE:
-                    lib.sdk_set_prefetch_one(n)
-                    seconds[n] = min(seconds[n], _timed(isa, weights, rows=(1,), repeats=1))
-            best = min(ONE, key=seconds.__getitem__)
-            chosen = ONE[0] if seconds[ONE[0]] <= ONE_CLEARLY * seconds[best] else best
-            _record(key, chosen)
-    lib.sdk_set_prefetch_one(chosen)
-    return chosen
+    each distance of ONE, interleaved seven times: one record unless another is ONE_CLEARLY faster
+    (kept in the build's choice.json per CPU, as chosen_isa)."""
+    prefetch_q6k_l1()  # Q6_K's level first: the mix's Q6_K runs with it
+    return _timed_knob(
+        "a number of records from 1 to 8", "SPECDECODE_PREFETCH_ONE", _records(1, 8),
+        "sdk_set_prefetch_one", ONE, ONE_CLEARLY, "mix", (1,), 7,
+    )
 
 
 @functools.cache
@@ -944,47 +951,12 @@ def prefetch_q6k_l1() -> bool:
     count) instead of L2 (T1). Speed only, never bits, and the CPU's: L1 made a Zen 5 EPYC's Q6_K
     head and down 5-7% faster at one row, and a Zen 4 EPYC's 28% slower (its 1.5B step 12%).
     SPECDECODE_PREFETCH_Q6=l1|l2 forces it; else one and two rows through 83 MB of random Q6_K are
-    timed with each, interleaved, after the distance and hint: L2 unless L1 is PREFETCH_CLEARLY
-    faster (kept in the build's choice.json per CPU, as chosen_isa)."""
-    lib = _lib()
-    if lib is None:
-        return False
-    forced = os.environ.get("SPECDECODE_PREFETCH_Q6")
-    if forced and forced not in ("l1", "l2"):
-        raise SpecDecodeError(f"SPECDECODE_PREFETCH_Q6={forced!r}: give l1 or l2")
-    isa = chosen_isa()
-    if forced or isa == "ref":
-        chosen = forced == "l1"
-    else:
-        prefetch_choice()  # the distance and hint the timing runs with
-        key = f"{cpu_name()} {isa} prefetch q6_k l1"
-        got = _recorded(key)
-        if isinstance(got, bool):
-            chosen = got
-        else:
-            weights = _timing_weights("q6_k")
-            seconds = {False: float("inf"), True: float("inf")}
-            for _ in range(5):
-                for l1 in seconds:
-                    lib.sdk_set_prefetch_q6(int(l1))
-                    seconds[l1] = min(seconds[l1], _timed(isa, weights, rows=(1, 2), repeats=1))
-            chosen = seconds[True] * PREFETCH_CLEARLY < seconds[False]
-            _record(key, chosen)
-    lib.sdk_set_prefetch_q6(int(chosen))
-    return chosen
-
-
-def _time_prefetch_small(lib, isa: str) -> int:
-    """prefetch_small's timing: every distance of SMALL, interleaved five times, the fastest pass
-    of each; the first unless another is PREFETCH_CLEARLY faster."""
-    weights = _timing_weights("q4_0")
-    seconds = dict.fromkeys(SMALL, float("inf"))
-    for _ in range(5):
-        for n in SMALL:
-            lib.sdk_set_prefetch_small(n)
-            seconds[n] = min(seconds[n], _timed(isa, weights, rows=(1, 5), repeats=1))
-    best = min(SMALL, key=seconds.__getitem__)
-    return SMALL[0] if seconds[SMALL[0]] <= PREFETCH_CLEARLY * seconds[best] else best
+    timed with each, interleaved five times, after the distance and hint: L2 unless L1 is
+    PREFETCH_CLEARLY faster (kept in the build's choice.json per CPU, as chosen_isa)."""
+    return _timed_knob(
+        "l1 or l2", "SPECDECODE_PREFETCH_Q6", {"l1": True, "l2": False}.get,
+        "sdk_set_prefetch_q6", (False, True), PREFETCH_CLEARLY, "q6_k", (1, 2), 5,
+    )
 
 
 AMX_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 48)  # the row counts at which the AMX choices are timed
