@@ -1074,138 +1074,99 @@ def test_a_products_bits_do_not_depend_on_which_thread_takes_a_tile(isa):
         lib.sdk_set_steal(1)
 
 
-def test_the_small_blocks_lead_is_four_records_unless_another_is_clearly_faster(monkeypatch, tmp_path):
-    """The blocks of 32 prefetch their own distance (prefetch_small), timed on a draft's short
-    tiles, recorded per CPU; SPECDECODE_PREFETCH_SMALL forces it and a bad value is one clear error."""
+# each timed prefetch setting: (setter, environment, timed weights, cases, forced, bad values, error)
+KNOBS = {
+    "prefetch_small": (  # the blocks of 32's lead, over a draft's short tiles
+        "sdk_set_prefetch_small",
+        "SPECDECODE_PREFETCH_SMALL",
+        "q4_0",
+        (
+            ({4: 1.0, 8: 0.97, 16: 0.98, 32: 0.99, 64: 1.0}, 4),  # within PREFETCH_CLEARLY
+            ({4: 1.0, 8: 0.9, 16: 0.85, 32: 0.8, 64: 0.82}, 32),
+            ({4: 0.8, 8: 0.9, 16: 0.85, 32: 0.81, 64: 0.82}, 4),
+        ),
+        ("16", 16),
+        ("0", "129", "far"),
+        "from 1 to 128",
+    ),
+    "prefetch_one": (  # a one-row product's lead, over the target-shaped mix
+        "sdk_set_prefetch_one",
+        "SPECDECODE_PREFETCH_ONE",
+        "mix",
+        (
+            ({1: 1.0, 2: 0.99, 3: 0.995, 4: 1.0}, 1),  # within ONE_CLEARLY
+            ({1: 1.0, 2: 0.92, 3: 0.95, 4: 0.97}, 2),
+            ({1: 0.9, 2: 1.0, 3: 0.95, 4: 0.97}, 1),
+        ),
+        ("3", 3),
+        ("0", "9"),
+        "from 1 to 8",
+    ),
+    "prefetch_q6k_l1": (  # Q6_K's lines to L1 rather than L2 at one or two rows
+        "sdk_set_prefetch_q6",
+        "SPECDECODE_PREFETCH_Q6",
+        "q6_k",
+        (({0: 1.0, 1: 0.97}, False), ({0: 1.0, 1: 0.9}, True), ({0: 0.8, 1: 1.0}, False)),
+        ("l1", True),
+        ("l3", "1"),
+        "l1 or l2",
+    ),
+}
+
+
+@pytest.mark.parametrize("knob", KNOBS)
+def test_each_timed_prefetch_setting_keeps_its_default_unless_another_is_clearly_faster(
+    knob, monkeypatch, tmp_path
+):
+    """prefetch_small, prefetch_one and prefetch_q6k_l1: timed on their own weights after the
+    distance and hint, recorded per build and CPU (a later process times nothing), set in the
+    library either way; the environment forces each and a bad value is one clear error."""
+    setter, env, kind, cases, (forced, forced_value), bad, error = KNOBS[knob]
+    choose = getattr(kernels, knob)
 
     class Lib:
-        small = 4
+        value = 0
 
-        def sdk_set_prefetch_small(self, n):
-            self.small = n
+        def __getattr__(self, name):
+            assert name == setter, name
+            return lambda v: setattr(self, "value", v)
 
     lib = Lib()
-    monkeypatch.delenv("SPECDECODE_PREFETCH_SMALL", raising=False)
+    monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(kernels, "_lib", lambda: lib)
     monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
     monkeypatch.setattr(kernels, "prefetch_choice", lambda: (1, "t0"))
+    if knob != "prefetch_q6k_l1":
+        monkeypatch.setattr(kernels, "prefetch_q6k_l1", lambda: False)
     kinds = []
     monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kinds.append(kind) or [])
-    for seconds, want in (
-        ({4: 1.0, 8: 0.97, 16: 0.98, 32: 0.99, 64: 1.0}, 4),  # within PREFETCH_CLEARLY
-        ({4: 1.0, 8: 0.9, 16: 0.85, 32: 0.8, 64: 0.82}, 32),
-        ({4: 0.8, 8: 0.9, 16: 0.85, 32: 0.81, 64: 0.82}, 4),
-    ):
+    for seconds, want in cases:
         build = tmp_path / str(len(list(tmp_path.iterdir())))
         build.mkdir()
         monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
-        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.small])
-        kernels.prefetch_small.cache_clear()
+        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.value])
+        choose.cache_clear()
         try:
-            assert kernels.prefetch_small() == want and lib.small == want, seconds
-            lib.small = 4  # a later process reads the recorded choice and times nothing
+            got = choose()
+            assert got == want and type(got) is type(want) and lib.value == want, seconds
+            lib.value = 0  # a later process reads the recorded choice and times nothing
             monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
-            kernels.prefetch_small.cache_clear()
-            assert kernels.prefetch_small() == want and lib.small == want
+            choose.cache_clear()
+            assert choose() == want and lib.value == want
         finally:
-            kernels.prefetch_small.cache_clear()
-    assert set(kinds) == {"q4_0"}  # a draft's tiles, not the target's
+            choose.cache_clear()
+    assert set(kinds) == {kind}
     try:
-        monkeypatch.setenv("SPECDECODE_PREFETCH_SMALL", "16")
-        assert kernels.prefetch_small() == 16 and lib.small == 16
-        kernels.prefetch_small.cache_clear()
-        for bad in ("0", "129", "far"):
-            monkeypatch.setenv("SPECDECODE_PREFETCH_SMALL", bad)
-            with pytest.raises(SpecDecodeError, match="from 1 to 128"):
-                kernels.prefetch_small()
-            kernels.prefetch_small.cache_clear()
+        monkeypatch.setenv(env, forced)
+        assert choose() == forced_value and lib.value == forced_value
+        choose.cache_clear()
+        for value in bad:
+            monkeypatch.setenv(env, value)
+            with pytest.raises(SpecDecodeError, match=error):
+                choose()
+            choose.cache_clear()
     finally:
-        kernels.prefetch_small.cache_clear()
-
-
-def test_a_one_row_products_lead_is_one_record_unless_another_is_clearly_faster(monkeypatch, tmp_path):
-    class Lib:
-        one = 1
-
-        def sdk_set_prefetch_one(self, n):
-            self.one = n
-
-    lib = Lib()
-    monkeypatch.delenv("SPECDECODE_PREFETCH_ONE", raising=False)
-    monkeypatch.setattr(kernels, "_lib", lambda: lib)
-    monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
-    monkeypatch.setattr(kernels, "prefetch_choice", lambda: (1, "t0"))
-    monkeypatch.setattr(kernels, "prefetch_q6k_l1", lambda: False)
-    kinds = []
-    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kinds.append(kind) or [])
-    for seconds, want in (
-        ({1: 1.0, 2: 0.99, 3: 0.995, 4: 1.0}, 1),  # within ONE_CLEARLY
-        ({1: 1.0, 2: 0.92, 3: 0.95, 4: 0.97}, 2),
-        ({1: 0.9, 2: 1.0, 3: 0.95, 4: 0.97}, 1),
-    ):
-        build = tmp_path / str(len(list(tmp_path.iterdir())))
-        build.mkdir()
-        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
-        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.one])
-        kernels.prefetch_one.cache_clear()
-        try:
-            assert kernels.prefetch_one() == want and lib.one == want, seconds
-            lib.one = 1  # a later process reads the recorded choice and times nothing
-            monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
-            kernels.prefetch_one.cache_clear()
-            assert kernels.prefetch_one() == want and lib.one == want
-        finally:
-            kernels.prefetch_one.cache_clear()
-    assert set(kinds) == {"mix"}
-    try:
-        monkeypatch.setenv("SPECDECODE_PREFETCH_ONE", "3")
-        assert kernels.prefetch_one() == 3 and lib.one == 3
-        kernels.prefetch_one.cache_clear()
-        monkeypatch.setenv("SPECDECODE_PREFETCH_ONE", "9")
-        with pytest.raises(SpecDecodeError, match="from 1 to 8"):
-            kernels.prefetch_one()
-    finally:
-        kernels.prefetch_one.cache_clear()
-
-
-def test_q6_k_prefetches_to_l1_only_where_that_times_clearly_faster(monkeypatch, tmp_path):
-    class Lib:
-        l1 = 0
-
-        def sdk_set_prefetch_q6(self, l1):
-            self.l1 = l1
-
-    lib = Lib()
-    monkeypatch.delenv("SPECDECODE_PREFETCH_Q6", raising=False)
-    monkeypatch.setattr(kernels, "_lib", lambda: lib)
-    monkeypatch.setattr(kernels, "chosen_isa", lambda: "avx512vnni")
-    monkeypatch.setattr(kernels, "prefetch_choice", lambda: (1, "t0"))
-    kinds = []
-    monkeypatch.setattr(kernels, "_timing_weights", lambda kind="q4_k": kinds.append(kind) or [])
-    for seconds, want in (({0: 1.0, 1: 0.97}, False), ({0: 1.0, 1: 0.9}, True), ({0: 0.8, 1: 1.0}, False)):
-        build = tmp_path / str(len(list(tmp_path.iterdir())))
-        build.mkdir()
-        monkeypatch.setattr(kernels, "built_library", lambda b=build: b / "lib.so")
-        monkeypatch.setattr(kernels, "_timed", lambda *a, s=seconds, **k: s[lib.l1])
-        kernels.prefetch_q6k_l1.cache_clear()
-        try:
-            assert kernels.prefetch_q6k_l1() is want and lib.l1 == want, seconds
-            lib.l1 = 0  # a later process reads the recorded choice and times nothing
-            monkeypatch.setattr(kernels, "_timed", lambda *a, **k: pytest.fail("timed again"))
-            kernels.prefetch_q6k_l1.cache_clear()
-            assert kernels.prefetch_q6k_l1() is want and lib.l1 == want
-        finally:
-            kernels.prefetch_q6k_l1.cache_clear()
-    assert set(kinds) == {"q6_k"}
-    try:
-        monkeypatch.setenv("SPECDECODE_PREFETCH_Q6", "l1")
-        assert kernels.prefetch_q6k_l1() is True and lib.l1 == 1
-        kernels.prefetch_q6k_l1.cache_clear()
-        monkeypatch.setenv("SPECDECODE_PREFETCH_Q6", "l3")
-        with pytest.raises(SpecDecodeError, match="l1 or l2"):
-            kernels.prefetch_q6k_l1()
-    finally:
-        kernels.prefetch_q6k_l1.cache_clear()
+        choose.cache_clear()
 
 
 def test_the_prefetch_hint_is_the_faster_and_the_distance_one_record_unless_another_is_clearly_faster(
