@@ -819,7 +819,7 @@ HINTS = ("t0", "nta")  # the prefetches' cache hint: to L1 (Q6_K's to L2), or no
 
 def prefetch_blocks() -> int:
     """How many weight records ahead the SIMD paths prefetch Q4_K and Q6_K in a product of two
-    or more rows (one row: one record; the blocks of 32: prefetch_small()); prefetch_choice() says
+    or more rows (one row: prefetch_one(); the blocks of 32: prefetch_small()); prefetch_choice() says
     it with the hint."""
     return prefetch_choice()[0]
 
@@ -1108,7 +1108,7 @@ def _timed(
 def _timing_weights(kind: str = "q4_k") -> list[PackedWeight]:
     """Distinct random weights (each pass reads them from memory), ~56-63 MB: six copies of a
     4096 x 4096 matrix of Q4_K (or Q6_K) blocks; "q4_0": six of 20480 x 896 Q4_0, a draft's
-    short tiles (28 records a tile: a lead of 4 records left a fifth of each tile to demand
+    short tiles (28 records a tile: a lead of 4 records left the first seventh of each tile to demand
     misses on a Zen 4 EPYC, where 4096 inputs timed every distance alike); "mix": a target's
     tiles, 1536 inputs (6 Q4_K records a tile), four Q4_K matrices of 12288 rows and two Q6_K of
     8192 (a third of the bytes: the Q4_K_M files keep the head and half the down projections in

@@ -98,7 +98,7 @@ void sdk_tile_avx512vnni(int, const uint8_t *, int, const sdk_act *, int, int, f
 void sdk_tile_amx(int, const uint8_t *, int, const sdk_act *, int, int, float *, uint8_t *);
 
 extern int sdk_pf_blocks; /* how many records ahead a product of two or more rows prefetches (the
-                           * SIMD paths' Q4_K and Q6_K; one row: one record). Speed only, never
+                           * SIMD paths' Q4_K and Q6_K; one row: sdk_pf_one). Speed only, never
                            * bits: set by sdk_set_prefetch from a timing (kernels.prefetch_blocks) */
 extern int sdk_pf_small; /* how many records ahead the blocks of 32 (Q8_0, Q5_0, Q4_0, Q3_0: a draft's
                           * formats) prefetch, at every row count: their records are small (160-544
