@@ -163,7 +163,7 @@ def test_smollm2_bundled_eagle3_and_auto_greedy_equal_target_only_bf16_invariant
 
     target = load("smollm2-135m", dtype=torch.bfloat16)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
-    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     base = SpeculativeGenerator(target, batch_invariant=True)
     want = [base.generate(c, params)[0].token_ids for c in chats]
     heads = method_heads("smollm2-135m", method, None)
@@ -187,7 +187,7 @@ def test_smollm2_invariant_rule_seeded_samples_equal_target_only_bf16():
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     params = [
         SamplingParams(
-            temperature=1.0, seed=5 + i, max_new_tokens=32, ignore_eos=True, sampling_rule="invariant"
+            temperature=1.0, seed=5 + i, max_new_tokens=16, ignore_eos=True, sampling_rule="invariant"
         )
         for i in range(len(chats))
     ]

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..paths import cache_dir
@@ -108,10 +109,8 @@ def _build(cc: str, out: Path, verbose: bool) -> Path:
     missing = []
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         objs = []
-        for src, flags in UNITS.items():
-            obj = Path(tmp) / (src[:-2] + ".o")
-            cmd = [*cc.split(), *BASE_FLAGS, *flags, "-c", str(CSRC / src), "-o", str(obj)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
+        units = [(src, Path(tmp) / (src[:-2] + ".o"), flags) for src, flags in UNITS.items()]
+        for (src, obj, _), r in zip(units, compile_units(cc, BASE_FLAGS, units)):
             if r.returncode != 0:
                 if src in REQUIRED:
                     raise BuildError(f"{cc} failed on {src}: {_first_error(r.stderr)}")
@@ -133,6 +132,19 @@ def _build(cc: str, out: Path, verbose: bool) -> Path:
         left = f" (the compiler cannot build: {', '.join(missing)})" if missing else ""
         print(f"specdecode: built the quantized kernel into {out}{left}", file=sys.stderr)
     return out / LIB
+
+
+def compile_units(cc: str, base: list[str], units: list[tuple[str, Path, list[str]]]) -> list:
+    """Each (source, object, flags) compiled at once, one compiler per core (ten units of 3-9 s
+    each: a 2-core machine builds in about half the time of one after another); the
+    CompletedProcess of each, in order."""
+    def one(unit):
+        src, obj, flags = unit
+        cmd = [*cc.split(), *base, *flags, "-c", str(CSRC / src), "-o", str(obj)]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max(1, min(len(units), os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, units))
 
 
 def _first_error(stderr: str) -> str:
