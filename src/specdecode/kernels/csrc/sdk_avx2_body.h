@@ -76,10 +76,18 @@ static inline __m256i fault_lane(void) { return _mm256_set_epi32(0, 0, 0, 0, 1, 
     } while (0)
 
 /* up to this many rows a call, Q4_K and Q6_K decode each load in registers for every row pair
- * (q4k_direct, q6k_direct); above it, once a block into the scratch for all rows (measured on
- * Zen 4 forced to this path: benchmarks/NOTES.md) */
+ * (q4k_direct, q6k_direct); above it, once a block into the scratch for all rows. AVX-VNNI: 4
+ * and 2 (measured on Zen 4 forced onto AVX2, where four rows in registers timed level with the
+ * scratch); AVX2: 8 and 4, measured on an AVX2-only Zen 3 EPYC (a target-shaped mix of Q4_K and
+ * Q6_K, interleaved: 5 rows 10-20% faster, 3-4 rows 5-10%, 12 rows slower at 16 / 4;
+ * benchmarks/NOTES.md, issue 53, eighteenth session) */
+#ifdef SDK_VNNI256
 #define SDK_DIRECT_Q4K 4
 #define SDK_DIRECT_Q6K 2
+#else
+#define SDK_DIRECT_Q4K 8
+#define SDK_DIRECT_Q6K 4
+#endif
 
 /* Rows go in pairs against both halves of the decoded block: each weight vector is
  * loaded once for two rows and each broadcast activation once for both halves (one row at a
