@@ -405,7 +405,7 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     """The kernel's sources and a harness (tests/csrc/kernel_asan.c) built with -fsanitize=address:
     odd shapes, every format and path, the fused pre-passes, bias and residual, RoPE + cache
     write + attention, the float products, buffers of their exact size. On a CPU without AVX-VNNI
-    (an AVX2-only EPYC) that path is built with vpdpbusd emulated in AVX2 and runs too, so its code
+    (an AVX2-only or a Zen 4 EPYC) that path is built with vpdpbusd emulated in AVX2 and runs too, so its code
     is checked against the reference wherever the suite runs."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
