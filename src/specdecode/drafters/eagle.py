@@ -122,8 +122,9 @@ class FeatureDrafter(Drafter):
         self, state: EagleState, hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor
     ) -> None:
         feats = self.feature(hidden)
-        for b, (s, n) in enumerate(zip(start.tolist(), count.tolist())):
-            state.feats[b, s : s + n] = feats[b, :n]
+        B, T = feats.shape[:2]
+        rows, j = (torch.arange(T, device=feats.device).view(1, T) < count.view(B, 1)).nonzero(as_tuple=True)
+        state.feats[rows, start[rows] + j] = feats[rows, j]  # row b's first count[b] at start[b] on
 
     def _catch_up(
         self, state: EagleState, ctx: DraftContext

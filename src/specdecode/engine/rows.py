@@ -28,9 +28,7 @@ class Rows:
     ) -> Rows:
         """Rows with room for prompt + max_new_tokens plus one round's drafts (`width`) past the end."""
         capacity = max(len(p) + s.max_new_tokens for p, s in zip(prompts, params)) + width + 1
-        tokens = torch.zeros(len(prompts), capacity, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(p)
+        tokens = torch.tensor([list(p) + [0] * (capacity - len(p)) for p in prompts], dtype=torch.long)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         return Rows(
             ids,

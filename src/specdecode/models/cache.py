@@ -114,6 +114,22 @@ class KVCache:
         else:
             dst_v[:, dst, :, :n].copy_(src_v[:, src, :, :n])
 
+    def _copy_rows(self, dst: list[int], src: list[int], n: int) -> None:
+        """Rows src to rows dst of this storage, the first n tokens of each, in one gather and one
+        scatter (each source is read before any row is written, so the lists may overlap). A
+        destination past its row's own length gets the source's stale entries, as a row reused
+        after a retired one holds that row's: positions past a row's length are never read."""
+        if n <= 0:
+            return
+        d = torch.tensor(dst, device=self._k.device)
+        s = torch.tensor(src, device=self._k.device)
+        self._k[:, d, :, :n] = self._k[:, s, :, :n]
+        if self.invariant:
+            c = -(-n // KEY_CHUNK)
+            self._v[:, :c, d] = self._v[:, :c, s]
+        else:
+            self._v[:, d, :, :n] = self._v[:, s, :, :n]
+
     def row(self, b: int) -> KVCache:
         """Row b as a one-row cache that shares this cache's storage (a forward on it writes
         here); its length starts at this row's and is not copied back."""
@@ -205,9 +221,14 @@ class KVCache:
         one gather into new storage."""
         keep = rows.tolist()
         if all(a < b for a, b in zip(keep, keep[1:])):
-            for i, r in enumerate(keep):
-                if r != i:
-                    self._copy_row(self._k, self._v, i, self._k, self._v, r, int(self.lengths[r]))
+            moved = [(i, r) for i, r in enumerate(keep) if r != i]
+            lengths = self.lengths.tolist()
+            n = [lengths[r] for _, r in moved]
+            if len(moved) > 1 and max(n) * len(moved) <= 2 * sum(n):
+                self._copy_rows([i for i, _ in moved], [r for _, r in moved], max(n))
+            else:  # a few rows, or rows of very different lengths: each its own tokens
+                for (i, r), m in zip(moved, n):
+                    self._copy_row(self._k, self._v, i, self._k, self._v, r, m)
         else:
             index = rows.to(self._k.device)
             self._k = self._k[:, index].contiguous()

@@ -89,7 +89,8 @@ def swap_fp32() -> bool:
 class Linear:
     """One projection: weight [out, in] (+ bias [out]), stored as `layout`: 'packed' (oneDNN
     blocked), 'swapped' (as given, multiplied as W x^T by oneDNN), 'mm' (transposed [in, out]
-    for torch.mm / addmm) or 'linear' (as given, F.linear)."""
+    for torch.mm / addmm), 'kernel' (as given, specdecode's float product: float32 weights, and
+    bfloat16 ones where oneDNN has no bf16 products) or 'linear' (as given, F.linear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -99,6 +100,8 @@ class Linear:
             self.layout = "linear"
         elif weight.dtype == torch.float32 and float_kernel():
             self.layout = "kernel"
+        elif weight.dtype == torch.bfloat16 and float_kernel() and not packing_works(torch.bfloat16):
+            self.layout = "kernel"  # no native bf16 products here (AVX2): benchmarks/NOTES.md
         elif weight.dtype == torch.float32 and weight.numel() * 4 >= PACK_FP32_FROM_BYTES and swap_fp32():
             self.layout = "swapped"
         elif packing_works(weight.dtype) and (
@@ -154,7 +157,9 @@ class Linear:
             return out if residual is None else out.add_(residual)
         if residual is not None and self.layout == "mm" and self.bias is None:
             return torch.addmm(residual, x, self.weight)
-        if self.layout == "linear" and n >= UPCAST_FROM_ROWS and self.weight.device.type == "cpu":
+        if (
+            self.layout == "linear" or (self.layout == "kernel" and self.dtype != torch.float32)
+        ) and n >= UPCAST_FROM_ROWS and self.weight.device.type == "cpu":
             out = self._upcast_product(x)
             return out if residual is None else out.add_(residual)
         out = self._product(x)
