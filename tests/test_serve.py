@@ -260,6 +260,24 @@ def test_a_full_queue_answers_429(chat_target):
 PROMPTS = [[(37 * i + 11 * j) % 1500 + 20 for j in range(2 + i % 7)] for i in range(32)]
 
 
+def test_every_connection_sends_without_waiting_for_the_clients_ack(small_server):
+    """Nagle's algorithm is off on each accepted connection (asyncio turns it off only on sockets
+    that say they are TCP): with it on, a response's body waited ~40 ms for the client's delayed
+    ACK of its headers, so every request took at least 40 ms."""
+    import socket
+
+    host, port = small_server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().read()
+    connections = small_server._uvicorn.server_state.connections
+    assert connections
+    for c in connections:
+        sock = c.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), sock
+    conn.close()
+
+
 @pytest.mark.heavy
 def test_32_concurrent_clients_match_offline_and_alone(server, chat_target):
     """16 greedy requests must equal offline generate of the same prompt; 16 seeded T = 1

@@ -162,7 +162,7 @@ def test_target_alone_with_an_early_exit_loss_trains_its_first_layers_to_predict
     # enough training for depth to matter: after 40 steps of 4 x 32 tokens both targets sat near
     # unigram loss, where a 2-layer exit predicts about as well as all 4 layers (gap 0.04 on an
     # AVX2 machine); after 60 steps of 8 x 64 the plain target's exit is 0.33 worse
-    cfg = dict(TINY, steps=60, batch_size=8, seq_len=64)
+    cfg = dict(TINY, steps=60, batch_size=8, seq_len=64, eval_every=20)
     train_family(
         family, corpus, tmp_path / "ee", only=("target",), early_exit_layer=2, early_exit_weight=1.0, **cfg
     )

@@ -92,7 +92,10 @@ class Server:
     def _serve_http(self, host: str, port: int, log_level: str = "warning") -> None:
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on sockets whose proto says
+        # TCP, and with it on every response waited ~40 ms for the client's delayed ACK between
+        # its headers and its body (benchmarks/NOTES.md)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

@@ -111,6 +111,7 @@ def _optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 @torch.no_grad()
+@torch.inference_mode()
 def _val_loss(model, windows: np.ndarray, batch_size: int) -> float:
     model.eval()
     total, count = 0.0, 0
