@@ -370,6 +370,25 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
+def test_a_build_leaves_out_the_instruction_sets_the_cpu_lacks_and_keys_on_them(monkeypatch):
+    """An AVX2-only CPU compiles neither the AVX-512, AVX-VNNI nor AMX files (their code could
+    never run there), an AMX Xeon compiles every one, an OS that does not report the features
+    too; the required files always; and the build's cache key differs between the first two."""
+    from specdecode.kernels import build
+
+    avx2 = {"avx", "avx2", "fma", "f16c", "bmi2"}
+    keep, left = build.units_for_this_cpu(avx2)
+    assert sorted(left) == ["sdk_amx.c", "sdk_attn_avx512.c", "sdk_avx512vnni.c", "sdk_avxvnni.c"]
+    assert set(build.REQUIRED) <= set(keep) and {"sdk_avx2.c", "sdk_attn_avx2.c"} <= set(keep)
+    xeon = avx2 | {"avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}
+    assert build.units_for_this_cpu(xeon) == (build.UNITS, [])
+    monkeypatch.setattr(build, "cpu_flags", lambda: None)
+    assert build.units_for_this_cpu() == (build.UNITS, [])
+    key_all = build.build_key("cc")
+    monkeypatch.setattr(build, "cpu_flags", lambda: avx2)
+    assert build.build_key("cc") != key_all
+
+
 def test_without_a_compiler_the_kernel_is_left_out_with_one_line(tmp_path):
     env = {**os.environ, "SPECDECODE_CACHE": str(tmp_path / "cache"), "PATH": str(tmp_path)}
     env.pop("CC", None)
@@ -410,19 +429,19 @@ def test_the_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
-    from specdecode.kernels.build import BASE_FLAGS, UNITS, compile_units
+    from specdecode.kernels.build import BASE_FLAGS, UNITS, compile_units, units_for_this_cpu
 
     exe = tmp_path / "asan"
     objs = []
-    units = [(src, tmp_path / (src + ".o"), flags) for src, flags in UNITS.items()]
+    # the units this CPU can run (the harness runs no other path; AVX-512 under ASan alone took
+    # 20 s to compile on an AVX2-only CPU), and the AVX-VNNI one emulated where it cannot
+    chosen = units_for_this_cpu()[0]
     emulated = "avx2" in kernels.runnable_isas() and "avxvnni" not in kernels.runnable_isas()
     if emulated:
         emulate = "-DSDK_EMULATE_VNNI256"
-        units = [
-            (src, obj, ["-mavx2", "-mfma", "-mf16c", emulate] if src == "sdk_avxvnni.c" else
-             [*flags, emulate] if src == "sdk_core.c" else flags)
-            for src, obj, flags in units
-        ]  # fmt: skip
+        chosen["sdk_avxvnni.c"] = ["-mavx2", "-mfma", "-mf16c", emulate]
+        chosen["sdk_core.c"] = [*UNITS["sdk_core.c"], emulate]
+    units = [(src, tmp_path / (src + ".o"), flags) for src, flags in chosen.items()]
     asan = [*BASE_FLAGS, "-O1", "-g", "-fsanitize=address"]
     for (src, obj, _), r in zip(units, compile_units(cc, asan, units)):
         if r.returncode == 0:

@@ -180,9 +180,13 @@ GENERATE = [
 
 
 @pytest.mark.heavy
-def test_generate_invariant_prints_the_same_text_with_and_without_drafts():
-    """The issue's done-when command, three ways: target-only, a draft model, EAGLE with a tree."""
-    base = GENERATE + [
+def test_generate_invariant_prints_the_same_text_with_and_without_drafts(capsys):
+    """The issue's done-when command, three ways: target-only, a draft model, EAGLE with a tree
+    (in this process: the command in a fresh one is test_generate_rejects_an_unknown_sampling_rule's
+    and test_cli's)."""
+    from specdecode.cli import main
+
+    base = GENERATE[3:] + [
         "孔明曰：「",
         "--temperature",
         "1",
@@ -194,8 +198,8 @@ def test_generate_invariant_prints_the_same_text_with_and_without_drafts():
     ]
     texts = []
     for extra in ([], ["--draft", "three-kingdoms/draft-64"], ["--method", "eagle", "--tree", "4,2,1"]):
-        out = subprocess.run(base + extra, capture_output=True, text=True, check=True)
-        texts.append(json.loads(out.stdout)["text"])
+        assert main(base + extra) == 0
+        texts.append(json.loads(capsys.readouterr().out)["text"])
     assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 10
 
 

@@ -1,10 +1,11 @@
 """Compiling the kernel with the system's C compiler, once per source, compiler and machine kind.
 
 The library is built into $SPECDECODE_CACHE/kernels/<key>/ where the key hashes the sources, the
-compiler's version and the flags, so an edited source or another compiler builds anew and a
-stale build is never loaded. Each instruction-set file is compiled with its own flags (never
--march=native: the same build runs on every x86 CPU, and which path runs is decided at run time
-by cpuid plus a self-check); a file the compiler cannot build leaves that path out. The library
+compiler's version, the flags and the units built, so an edited source, another compiler or
+another kind of CPU builds anew and a stale build is never loaded. Each instruction-set file is
+compiled with its own flags (never -march=native; which path runs is decided at run time by cpuid
+plus a self-check); a file the compiler cannot build leaves that path out, and so does a file for
+features this CPU lacks (AVX-512 and AMX on an AVX2-only CPU: code that could never run here). The library
 links torch's own OpenMP runtime when torch ships one, so the kernel's threads are torch's pool.
 A build's sha256 is written beside it and checked before loading: a corrupt file is rebuilt.
 """
@@ -41,6 +42,12 @@ UNITS = {
                   "-mamx-int8"],
 }
 REQUIRED = ("sdk_core.c", "sdk_ref.c", "sdk_attn.c", "sdk_forward.c")
+# the CPU flag (as /proc/cpuinfo names it) each instruction-set option needs
+CPU_FLAG = {
+    "-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c", "-mavxvnni": "avx_vnni", "-mavx512f": "avx512f",
+    "-mavx512bw": "avx512bw", "-mavx512vl": "avx512vl", "-mavx512vnni": "avx512_vnni",
+    "-mamx-tile": "amx_tile", "-mamx-int8": "amx_int8",
+}  # fmt: skip
 LIB = "libspecdecode_kernel.so"
 
 
@@ -66,8 +73,38 @@ def _torch_gomp() -> Path | None:
     return lib if (lib / "libgomp.so.1").exists() else None
 
 
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags as the OS reports them (Linux), or None where it does not say."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def units_for_this_cpu(flags: set[str] | None = None) -> tuple[dict[str, list[str]], list[str]]:
+    """(the units to compile, those left out): an instruction-set file whose options need a
+    feature this CPU lacks is left out, as its code could never run here (AVX-512 and AMX on an
+    AVX2-only CPU: 9 of the build's 16 s of compiling). Where the OS does not report the
+    features, every unit."""
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return dict(UNITS), []
+    keep, left = {}, []
+    for src, opts in UNITS.items():
+        if src in REQUIRED or {CPU_FLAG[o] for o in opts if o in CPU_FLAG} <= flags:
+            keep[src] = opts
+        else:
+            left.append(src)
+    return keep, left
+
+
 def build_key(cc: str) -> str:
-    """A hash of the sources, the compiler's version, the flags and the OpenMP runtime linked."""
+    """A hash of the sources, the compiler's version, the flags, the units this CPU builds and the
+    OpenMP runtime linked."""
     h = hashlib.sha256()
     for f in sorted(CSRC.iterdir()):
         if f.suffix in (".c", ".h"):
@@ -78,7 +115,7 @@ def build_key(cc: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = ""
     h.update(version.encode())
-    h.update(json.dumps([BASE_FLAGS, UNITS, str(_torch_gomp())]).encode())
+    h.update(json.dumps([BASE_FLAGS, units_for_this_cpu()[0], str(_torch_gomp())]).encode())
     return h.hexdigest()[:16]
 
 
@@ -107,9 +144,10 @@ def built_library(verbose: bool = False) -> Path:
 def _build(cc: str, out: Path, verbose: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     missing = []
+    chosen, left = units_for_this_cpu()
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         objs = []
-        units = [(src, Path(tmp) / (src[:-2] + ".o"), flags) for src, flags in UNITS.items()]
+        units = [(src, Path(tmp) / (src[:-2] + ".o"), flags) for src, flags in chosen.items()]
         for (src, obj, _), r in zip(units, compile_units(cc, BASE_FLAGS, units)):
             if r.returncode != 0:
                 if src in REQUIRED:
@@ -126,7 +164,15 @@ def _build(cc: str, out: Path, verbose: bool) -> Path:
             raise BuildError(f"{cc} failed to link the kernel: {_first_error(r.stderr)}")
         os.replace(tmp_lib, out / LIB)
     (out / "manifest.json").write_text(
-        json.dumps({"sha256": _sha256(out / LIB), "compiler": cc, "paths_not_built": missing}, indent=1)
+        json.dumps(
+            {
+                "sha256": _sha256(out / LIB),
+                "compiler": cc,
+                "paths_not_built": missing,
+                "not_for_this_cpu": [src[4:-2] for src in left],
+            },
+            indent=1,
+        )
     )
     if verbose or missing:
         left = f" (the compiler cannot build: {', '.join(missing)})" if missing else ""
