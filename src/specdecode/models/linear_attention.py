@@ -187,30 +187,41 @@ class HybridCache(KVCache):
         lengths = lengths.to(torch.long)
         old = self.lengths
         super().rewind(lengths)
-        changed = [r for r in range(lengths.shape[0]) if int(lengths[r]) != int(old[r])]
-        for layer, entries in self.journal.items():
-            if not changed:
-                break
-            S = self.state[layer].clone()
-            for r in changed:
-                S[r] = self._state_at(entries, r, int(lengths[r]))
-            self.state[layer] = S
+        changed = (lengths != old).nonzero().flatten()
+        if changed.numel():
+            for layer, entries in self.journal.items():
+                S = self.state[layer].clone()
+                S[changed] = self._states_at(entries, changed, lengths[changed])
+                self.state[layer] = S
         self.journal = {}
 
-    def _state_at(self, entries: list[_Journal], r: int, length: int) -> torch.Tensor:
+    def _states_at(self, entries: list[_Journal], rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The state of each of `rows` after lengths[i] tokens [R, H, Dv, Dk], from the latest
+        journal entry that starts at or before it: a snapshot, or its kept inputs replayed for
+        the rows of that entry together (a row's replay stops at its own length)."""
+        out = torch.empty((rows.shape[0], *entries[0].state0.shape[1:]), dtype=entries[0].state0.dtype,
+                          device=entries[0].state0.device)  # fmt: skip
+        todo = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
         for e in reversed(entries):
-            n = length - int(e.start[r])
-            if n < 0:
+            n = lengths - e.start[rows]
+            hit = (todo & (n >= 0)).nonzero().flatten()
+            if not hit.numel():
                 continue
-            if n == 0:
-                return e.state0[r]
+            r, n = rows[hit], n[hit]
             if e.snaps is not None:
-                return e.snaps[r, n - 1]
-            s = e.state0[r : r + 1]
-            k, v, a, b = (x[r : r + 1] for x in e.inputs)
-            for t in range(n):  # replay the kept positions (the output is not needed)
-                s, _ = delta_step(s, k[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
-            return s[0]
+                s = e.state0[r].clone()
+                later = (n > 0).nonzero().flatten()
+                s[later] = e.snaps[r[later], n[later] - 1]
+            else:
+                s = e.state0[r]
+                k, v, a, b = (x[r] for x in e.inputs)
+                for t in range(int(n.max())):  # replay the kept positions (the output is not needed)
+                    nxt, _ = delta_step(s, k[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
+                    s = torch.where((t < n).view(-1, 1, 1, 1), nxt, s)
+            out[hit] = s
+            todo[hit] = False
+            if not todo.any():
+                return out
         raise SpecDecodeError(
             "a linear-attention state can only rewind to a length reached since its last rewind"
         )
