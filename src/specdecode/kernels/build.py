@@ -5,9 +5,10 @@ compiler's version, the flags and the units built, so an edited source, another 
 another kind of CPU builds anew and a stale build is never loaded. Each instruction-set file is
 compiled with its own flags (never -march=native; which path runs is decided at run time by cpuid
 plus a self-check); a file the compiler cannot build leaves that path out, and so does a file for
-features this CPU lacks (AVX-512 and AMX on an AVX2-only CPU: code that could never run here). The library
-links torch's own OpenMP runtime when torch ships one, so the kernel's threads are torch's pool.
-A build's sha256 is written beside it and checked before loading: a corrupt file is rebuilt.
+features this CPU lacks (AVX-512, AVX-VNNI and AMX on an AVX2-only CPU: code that could never
+run here). The library links torch's own OpenMP runtime when torch ships one, so the kernel's
+threads are torch's pool. A build's sha256 is written beside it and checked before loading: a
+corrupt file is rebuilt.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def built_library(verbose: bool = False) -> Path:
 def _build(cc: str, out: Path, verbose: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     missing = []
-    chosen, left = units_for_this_cpu()
+    chosen, not_here = units_for_this_cpu()
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         objs = []
         units = [(src, Path(tmp) / (src[:-2] + ".o"), flags) for src, flags in chosen.items()]
@@ -169,7 +170,7 @@ def _build(cc: str, out: Path, verbose: bool) -> Path:
                 "sha256": _sha256(out / LIB),
                 "compiler": cc,
                 "paths_not_built": missing,
-                "not_for_this_cpu": [src[4:-2] for src in left],
+                "not_for_this_cpu": [src[4:-2] for src in not_here],
             },
             indent=1,
         )
