@@ -286,7 +286,10 @@ def main() -> int:
         draft_vocab=args.draft_vocab,
     )
     target, draft, inv = loaded.target, loaded.draft, loaded.config.batch_invariant
-    t_dtype = f"{loaded.choice.target} + draft {loaded.choice.draft}, draft policy {loaded.config.policy}"
+    threshold = loaded.config.confidence_threshold
+    t_dtype = f"{loaded.choice.target} + draft {loaded.choice.draft}, draft policy {loaded.config.policy}" + (
+        f" (threshold {threshold:g})" if threshold is not None else ""
+    )
     tok = target.tokenizer
     work = prompts(args.limit)
     for w in work:
@@ -302,27 +305,28 @@ def main() -> int:
     n, k = args.max_new_tokens, args.k
     if "ours" in systems:
         vocab = loaded.config.draft_vocab  # --draft-vocab (FR-Spec), or None: the whole head
-        policy = loaded.config.policy  # the library's default for a draft model (confidence)
+        policy = loaded.config.policy  # the library's default for a draft model (prefix)
+        pol = {"policy": policy, "confidence_threshold": threshold}
         gens = {
             "ours target-only": SpeculativeGenerator(target, batch_invariant=inv),
             f"ours draft (k={k})": SpeculativeGenerator(
-                target, draft=draft, k=k, batch_invariant=inv, draft_vocab=vocab, policy=policy
+                target, draft=draft, k=k, batch_invariant=inv, draft_vocab=vocab, **pol
             ),
             f"ours suffix (k={k})": SpeculativeGenerator(target, method="suffix", k=k, batch_invariant=inv),
             f"ours auto (k={k})": SpeculativeGenerator(
-                target, draft=draft, method="auto", k=k, batch_invariant=inv, draft_vocab=vocab, policy=policy
+                target, draft=draft, method="auto", k=k, batch_invariant=inv, draft_vocab=vocab, **pol
             ),
         }
         if vocab not in (None, "full"):  # what the smaller head costs in acceptance and saves per step
             gens[f"ours draft, whole head (k={k})"] = SpeculativeGenerator(
-                target, draft=draft, k=k, batch_invariant=inv, policy=policy
+                target, draft=draft, k=k, batch_invariant=inv, **pol
             )
             gens[f"ours draft, list head always (k={k})"] = SpeculativeGenerator(
-                target, draft=draft, k=k, batch_invariant=inv, policy=policy, draft_vocab=vocab,
+                target, draft=draft, k=k, batch_invariant=inv, **pol, draft_vocab=vocab,
                 draft_vocab_fallback=0,
             )
             gens[f"ours auto, whole head (k={k})"] = SpeculativeGenerator(
-                target, draft=draft, method="auto", k=k, batch_invariant=inv, policy=policy
+                target, draft=draft, method="auto", k=k, batch_invariant=inv, **pol
             )
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
         for name, g in gens.items():
@@ -333,9 +337,9 @@ def main() -> int:
         policy = ov.config.policy
         ov_gens = {
             "ours-ov target-only": SpeculativeGenerator(ov.target),
-            f"ours-ov draft (k={k})": SpeculativeGenerator(ov.target, draft=ov.draft, k=k, policy=policy),
+            f"ours-ov draft (k={k})": SpeculativeGenerator(ov.target, draft=ov.draft, k=k, **pol),
             f"ours-ov auto (k={k})": SpeculativeGenerator(
-                ov.target, draft=ov.draft, method="auto", k=k, policy=policy
+                ov.target, draft=ov.draft, method="auto", k=k, **pol
             ),
         }
         params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)

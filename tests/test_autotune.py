@@ -228,9 +228,9 @@ def test_generate_json_reports_the_auto_choice_and_models_calibrate_prints_the_t
     assert "<- chosen" in text and "T(3) ms" in text
 
 
-def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pair_dir, cache):
-    """open_models' default draft-length policy: confidence with a draft model (measured faster
-    on the Qwen pair), fixed for model-free methods and token trees; a given policy is kept, and
+def test_a_draft_model_drafts_with_the_prefix_policy_unless_one_is_asked(pair_dir, cache):
+    """open_models' default draft-length policy: prefix with a draft model (measured faster on
+    the Qwen pair), fixed for model-free methods and token trees; a given policy is kept, and
     generate passes none unless --policy is on its command line."""
     from specdecode.cli import build_parser
     from specdecode.cli.options import spec_config
@@ -238,9 +238,9 @@ def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pai
 
     target_dir, draft_dir = pair_dir
     quiet = {"log": lambda line: None, "dtype": "fp32"}
-    assert open_models(str(target_dir), draft=str(draft_dir), **quiet).config.policy == "confidence"
+    assert open_models(str(target_dir), draft=str(draft_dir), **quiet).config.policy == "prefix"
     auto = open_models(str(target_dir), draft=str(draft_dir), method="auto", **quiet)
-    assert auto.config.policy == "confidence"
+    assert auto.config.policy == "prefix"
     assert open_models(str(target_dir), method="ngram", **quiet).config.policy == "fixed"
     tree = open_models(str(target_dir), draft=str(draft_dir), tree="2,1", **quiet)  # a tree's shape is fixed
     assert tree.config.policy == "fixed"
@@ -250,3 +250,53 @@ def test_a_draft_model_drafts_with_the_confidence_policy_unless_one_is_asked(pai
         args = build_parser().parse_args(["generate", "--target", "t", "--prompt", "x", *argv])
         fields = spec_fields(spec_config(args), keep_default_policy=args.policy is None)
         assert ("policy" in fields) is kept
+
+
+def test_the_prefix_threshold_is_a_draft_step_and_a_verified_row_over_a_target_step(pair_dir, cache):
+    """Choice.prefix_threshold: (d + (T(k+1) - T(1)) / k) / T(1) from the chosen formats' costs,
+    within [0.1, 0.9], None without them; open_models sets it for the prefix policy when no
+    threshold is given and says so on the choice line, and keeps a given one."""
+    c = _choice()
+    c.target, c.draft = "w8a8", "int4"  # T(1) 60 ms, T(5) 170 ms, a draft step 20 ms
+    assert c.prefix_threshold() == pytest.approx(round((0.02 + 0.11 / 4) / 0.06, 2))
+    c.draft = "bf16"  # 50 ms a step: capped
+    assert c.prefix_threshold() == 0.9
+    c.target = "int8"  # failed: no cost
+    assert c.prefix_threshold() is None
+    target_dir, draft_dir = pair_dir
+    lines: list[str] = []
+    loaded = open_models(str(target_dir), draft=str(draft_dir), dtype="auto", log=lines.append, k=2)
+    expected = loaded.choice.prefix_threshold()
+    assert expected is not None and loaded.config.confidence_threshold == expected
+    assert f"draft policy prefix (stops below {expected:g}" in lines[-1]
+    asked = open_models(str(target_dir), draft=str(draft_dir), dtype="auto", log=lines.append, k=2,
+                        confidence_threshold=0.3)  # fmt: skip
+    assert asked.config.confidence_threshold == 0.3 and "0.3, as asked" in lines[-1]
+
+
+def test_the_leading_formats_are_timed_again_and_keep_their_fastest_times(cache, monkeypatch):
+    """A slow spell during one pass must not decide for good: the two leading formats of each
+    model are timed RETIMES more times, interleaved, each keeping its fastest t1, tk and tp; the
+    others once."""
+    from specdecode import autotune
+
+    calls: list[str] = []
+
+    def fake(shapes, fmt, k, invariant, repeats=5, with_tk=True):
+        calls.append(fmt)
+        slow = 3.0 if (fmt == "kq" and calls.count("kq") == 1) else 1.0  # kq's first pass hit a slow spell
+        base = {"kq": 0.040, "w8a8": 0.065, "int4": 0.11}[fmt]
+        return FormatCosts(fmt, t1=base, tk=base * 1.4 * slow, tp=base / 10 if with_tk else base / 12)
+
+    monkeypatch.setattr(autotune, "measure", fake)
+    shapes = Shapes(hidden=64, qkv_out=96, attn_in=64, inter=128, layers=2, vocab=256)
+    seen: list[tuple[int, int]] = []
+    choice = autotune.choose(
+        shapes, None, k=4, invariant=True, speculative=False, target_formats=("kq", "w8a8", "int4"),
+        progress=lambda done, total, label: seen.append((done, total)),
+    )  # fmt: skip
+    assert choice.target == "kq"  # one pass alone: tk 0.168 against w8a8's 0.091, w8a8 chosen
+    assert calls == ["kq", "w8a8", "int4"] + ["w8a8", "kq"] * autotune.RETIMES
+    kq = choice.cost(choice.target_costs, "kq")
+    assert kq.tk == pytest.approx(0.056) and kq.tp == pytest.approx(0.004)
+    assert seen[-1][0] == seen[-1][1] and all(d <= t for d, t in seen)  # the progress bar's total holds

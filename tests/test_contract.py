@@ -32,7 +32,7 @@ PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(1 + (5 * i) % 12)] for i in rang
 # a cost model under which drafting pays (the measured one says it does not for these tiny
 # pairs, and the optimal policy then never drafts): the k it picks changes, exactness must not
 CHEAP = CostModel({0: 0.01, 1: 0.0105, 4: 0.012})
-POLICIES = ("fixed", "heuristic", "confidence", "optimal")
+POLICIES = ("fixed", "heuristic", "confidence", "prefix", "optimal")
 JSON_TREE = "[[0], [1], [0, 0], [1, 0], [0, 0, 0]]"
 
 
@@ -52,6 +52,8 @@ def generator(target, draft, heads: dict, method: str, **opts) -> SpeculativeGen
         kw["cost_model"] = CHEAP
     if kw.get("policy") == "confidence":
         kw["confidence_threshold"] = 0.5
+    if kw.get("policy") == "prefix":  # low enough that rows draft 1 to 8 tokens (these pairs are not peaked)
+        kw["confidence_threshold"] = 0.15
     if method == "target-only":
         return SpeculativeGenerator(target)
     use_draft = method == "draft" or opts.get("with_draft", False)

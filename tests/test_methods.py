@@ -159,6 +159,36 @@ def test_heuristic_policy_adds_two_after_full_acceptance_and_drops_one_otherwise
     assert p.next_k() == [1, 1]  # never below 1
 
 
+def test_prefix_policy_stops_a_row_when_the_product_of_its_draft_probabilities_falls_below():
+    """The prefix policy drafts up to max_k and stops a row after the token that takes the product
+    of its draft probabilities this round below the threshold; the confidence policy looks at
+    each token's own probability. Rows of one chain: probabilities 0.9 each (products 0.9, 0.81,
+    0.729, 0.656, 0.59, ...) and 0.6 each (0.6, 0.36, ...)."""
+    from specdecode.core.config import SpecConfig
+    from specdecode.drafters.base import DraftChain, PrefixThreshold
+    from specdecode.engine.policy import PrefixPolicy, make_policy
+
+    def chain_lengths(stop_below, limit=8) -> list[int]:
+        ctx = DraftContext(torch.zeros(2, 16, dtype=torch.long), torch.tensor([3, 3]), Warp.greedy(2), None)
+        chain = DraftChain(ctx, torch.tensor([limit, limit]), stop_below)
+        top = torch.log(torch.tensor([[0.9, 0.1 / 3, 0.1 / 3, 0.1 / 3], [0.6, 0.4 / 3, 0.4 / 3, 0.4 / 3]]))
+        for _ in range(limit):
+            if chain.draw(top)[1]:
+                break
+        return chain.proposal().draft_lengths().tolist()
+
+    assert chain_lengths(PrefixThreshold(0.6)) == [5, 2]  # the fifth token takes 0.9 ^ 5 = 0.59 below
+    assert chain_lengths(PrefixThreshold(0.7)) == [4, 1]
+    assert chain_lengths(0.7) == [8, 1]  # per token: 0.9 never falls below
+    policy = make_policy(SpecConfig(method="draft", k=3, policy="prefix"))
+    assert isinstance(policy, PrefixPolicy) and policy.max_k == 8 and policy.next_k() == []
+    policy.add_rows(2)
+    assert policy.next_k() == [8, 8] and isinstance(policy.stop_below, PrefixThreshold)
+    assert policy.stop_below == 0.4  # no measured costs: the default
+    with pytest.raises(SpecDecodeError, match="prefix threshold"):
+        PrefixPolicy(4, 1.0)
+
+
 def test_optimal_policy_follows_theorem_3_8_and_turns_drafting_off_when_it_cannot_pay():
     from specdecode.core.theory import optimal_k
 

@@ -8,7 +8,9 @@ and the LM head, at 1 row (a step, a draft token) and k + 1 rows (a verification
 same Linear classes and the same batch-invariant padding the model will run. The projections are
 where a decoder's time goes (they read every weight); attention, norms and sampling cost the same
 in every format and are left out, so the figures rank formats rather than predict a forward.
-Enough copies of a layer are timed that they do not fit in the CPU's caches.
+Enough copies of a layer are timed that they do not fit in the CPU's caches. Each time is the
+fastest of several passes, and the two leading formats of each model are timed twice more,
+interleaved, keeping each one's fastest (RETIMES): other work only ever adds time.
 
 Prompts are another matter: a prefill feeds PREFILL_ROWS rows at once, where the formats rank
 differently (AMD EPYC, avx512_bf16: the 0.5B draft's int4 step is the cheapest, 17.6 ms against
@@ -49,7 +51,13 @@ DRAFT_CANDIDATES = ("fp32", "bf16", "w8a8", "int8", "int4", "kq", "kq4", "kq3")
 CACHED_BYTES = 320e6  # time enough layer copies to read at least this much (past any L3 cache)
 HEAD_SLICE = 8  # the LM head is timed over 1/8 of its rows and scaled (its cost is linear in rows)
 ALPHA = 0.8  # the acceptance a choice assumes before anything is measured (theory.py's formula)
-VERSION = 4  # bump when the measurement changes: cached choices of another version are redone
+VERSION = 5  # bump when the measurement changes: cached choices of another version are redone
+# the two leading formats of each model are timed RETIMES more times, interleaved, each keeping
+# its fastest: on a VM whose memory slows for seconds at a time (an AVX2-only EPYC: the 1.5B's kq
+# T(5) 52.6-71.2 ms in three passes a minute apart, and a cached 104.7 that chose w8a8, 40% slower
+# a step: benchmarks/NOTES.md, issue 53) one pass is not a measurement to keep for good
+RETIMES = 2
+LEADERS = 2
 PREFILL_ROWS = 64  # the rows of a prefill chunk whose projections `tp` times
 PREFILL_GAIN = 1.5  # a draft gets a prefill copy when the fastest prompt format is this much faster
 # prompt tokens a target's choice counts per generated token (a chat turn's prompt and answer are of
@@ -140,6 +148,16 @@ class Choice:
             if t is not None:
                 out["draft_cost_ratio"] = round(d.t1 / t.t1, 3)
         return out
+
+    def prefix_threshold(self) -> float | None:
+        """The prefix policy's stop threshold from the chosen formats' measured costs: a draft
+        step plus one more verified row, (T(k+1) - T(1)) / k, over a target step T(1), within
+        [0.1, 0.9] (engine/policy.py PrefixPolicy); None without both costs."""
+        t, d = self.cost(self.target_costs, self.target), self.cost(self.draft_costs, self.draft)
+        if t is None or d is None or not t.t1 or not t.tk or not d.t1:
+            return None
+        row = max(0.0, (t.tk - t.t1) / self.k)
+        return round(min(0.9, max(0.1, (d.t1 + row) / t.t1)), 2)
 
     def line(self) -> str:
         """One line for stderr: what was chosen, measured or cached, and how to redo it."""
@@ -344,7 +362,9 @@ def choose(
     little of its acceptance)."""
     t0 = time.perf_counter()
     jobs = [("target", target, f) for f in target_formats]
+    jobs += [("target", target, "again")] * (RETIMES * min(LEADERS, len(target_formats)))
     jobs += [("draft", draft, f) for f in (draft_formats if draft else ())]
+    jobs += [("draft", draft, "again")] * (RETIMES * min(LEADERS, len(draft_formats)) if draft else 0)
     done = [0]
 
     def step(label: str) -> None:
@@ -375,7 +395,7 @@ def _costs(who, shapes, formats, k, invariant, name, recalibrate, step) -> tuple
     if not recalibrate and path.exists():
         try:
             costs = [FormatCosts(**c) for c in json.loads(path.read_text())["costs"]]
-            for _ in formats:
+            for _ in range(len(formats) + RETIMES * min(LEADERS, len(formats))):
                 step(f"{who} (cached)")
             return costs, "cached", str(path)
         except (ValueError, TypeError, KeyError):
@@ -384,6 +404,14 @@ def _costs(who, shapes, formats, k, invariant, name, recalibrate, step) -> tuple
     for fmt in formats:
         step(f"{who} {fmt}")
         costs.append(measure(shapes, fmt, k, invariant, with_tk=who == "target"))
+    ok = sorted((c for c in costs if c.error is None), key=lambda c: _score(who, c, k))
+    lead = ok[:LEADERS]
+    for _ in range(RETIMES):
+        for c in lead:
+            step(f"{who} {c.format} again")
+            _keep_fastest(c, measure(shapes, c.format, k, invariant, with_tk=who == "target"))
+    for _ in range(RETIMES * (min(LEADERS, len(formats)) - len(lead))):
+        step(f"{who} (nothing to time again)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"shapes": asdict(shapes), "costs": [asdict(c) for c in costs]}, indent=1))
@@ -391,6 +419,23 @@ def _costs(who, shapes, formats, k, invariant, name, recalibrate, step) -> tuple
         print(f"specdecode: cannot cache the format choice in {path}: {e.strerror}", file=sys.stderr)
         return costs, "measured", None
     return costs, "measured", str(path)
+
+
+def _score(who: str, c: FormatCosts, k: int) -> float:
+    """What _pick ranks a model's formats by: the target's verification round per token it
+    yields plus its prompt share, the draft's step."""
+    return c.tk / expected_tokens(ALPHA, k) + _prompt_share(c) if who == "target" else c.t1
+
+
+def _keep_fastest(c: FormatCosts, again: FormatCosts) -> None:
+    """c's times, each the faster of c's and `again`'s (other work only ever adds time)."""
+    if again.error is not None:
+        return
+    for name in ("t1", "tk", "tp"):
+        new = getattr(again, name)
+        if new is not None:
+            old = getattr(c, name)
+            setattr(c, name, new if old is None else min(old, new))
 
 
 def _pick(choice: Choice, speculative: bool) -> Choice:
@@ -402,8 +447,7 @@ def _pick(choice: Choice, speculative: bool) -> Choice:
     # one target format per machine and model, with or without a drafter (so adding a drafter
     # never changes the text): the cheapest verification round per token it yields, k draft steps
     # included (the same for every target format), plus its prompt share
-    tau = expected_tokens(ALPHA, choice.k)
-    best_t = min(ok_t, key=lambda c: c.tk / tau + _prompt_share(c))
+    best_t = min(ok_t, key=lambda c: _score("target", c, choice.k))
     choice.target = best_t.format
     choice.draft = best_d.format if best_d else None
     choice.draft_prefill = None

@@ -335,7 +335,8 @@ def run_pair_demo(
             method=m,
             batch_invariant=invariant,
             draft_vocab=loaded.config.draft_vocab if drafts else None,
-            policy=loaded.config.policy if drafts else "fixed",  # confidence (opener.default_policy)
+            policy=loaded.config.policy if drafts else "fixed",  # prefix (opener.default_policy)
+            confidence_threshold=loaded.config.confidence_threshold if drafts else None,
         )
     forward = "batch-invariant" if invariant else "plain forward"
     chats = [[{"role": "user", "content": p}] for p in prompts]

@@ -171,11 +171,25 @@ def default_draft_vocab(draft: str | None, method: str | None, backend: str, dev
 
 def default_policy(method: str | None, has_draft_model: bool, tree: bool = False) -> str:
     """The draft-length policy when none is given: fixed for a token tree (its shape is fixed);
-    confidence for a draft model (draft, auto:
-    stop drafting once the draft's own probability of its token falls below the threshold;
-    measured on the Qwen pair, +3-13% tokens/s over fixed k on code, HumanEval and Spec-Bench,
-    benchmarks/NOTES.md issue 35), fixed k otherwise."""
-    return "confidence" if has_draft_model and method in ("draft", "auto") and not tree else "fixed"
+    prefix for a draft model (draft, auto: stop drafting once the product of the draft's
+    probabilities of its tokens this round falls below a threshold set by the measured costs;
+    measured on the Qwen pair, faster than the confidence policy's per-token 0.4 at k = 4, which
+    was 3-13% faster than fixed k: benchmarks/NOTES.md, issues 35 and 53), fixed k otherwise."""
+    return "prefix" if has_draft_model and method in ("draft", "auto") and not tree else "fixed"
+
+
+def _with_prefix_threshold(config: SpecConfig, choice: Choice) -> tuple[SpecConfig, str]:
+    """The prefix policy's threshold from the measured costs when none was given (else the
+    default), and the words for the choice line."""
+    if config.policy != "prefix":
+        return config, ""
+    if config.confidence_threshold is not None:
+        return config, f"; draft policy prefix (stops below {config.confidence_threshold:g}, as asked)"
+    measured = choice.prefix_threshold()
+    if measured is None:
+        return config, ""
+    words = f"; draft policy prefix (stops below {measured:g}: a draft step and a verified row over a step)"
+    return replace(config, confidence_threshold=measured), words
 
 
 @dataclass
@@ -280,11 +294,12 @@ def open_models(
         t = dtype if dtype != AUTO else _unmeasured_default(backend, dev.type, target)
         d = _pinned_draft(draft_dtype, t, draft_shapes is not None, backend) if has_draft_model else None
         choice = Choice(t, d, base.k, invariant, "pinned" if asked not in (None, AUTO) else "default")
+    base, policy_words = _with_prefix_threshold(base, choice)
     if dtype == AUTO or draft_auto or backend == "openvino":
         line = choice.line() + ("; OpenVINO's CPU plugin" if backend == "openvino" else "")
         if has_draft_model and base.draft_vocab not in (None, FULL):
             line += f"; the draft's head over {base.draft_vocab!s} ({_head_fallback(base)})"
-        log(line)
+        log(line + policy_words)
 
     t_dtype, t_quant = weight_format(choice.target)
     resolve(target, t_dtype if t_quant is None else torch.bfloat16)

@@ -60,13 +60,19 @@ OPTIONS: tuple[Option, ...] = (
         "policy",
         "draft-length policy: fixed (k every round), heuristic (+2 after a fully accepted round, -1 "
         "otherwise), confidence (stop drafting when the draft's probability of its token < "
-        "--confidence-threshold), optimal (k from Theorem 3.8 with measured acceptance and cost); "
-        "default: confidence with a draft model in generate and specdecode.open (measured faster), "
-        "else fixed",
+        "--confidence-threshold), prefix (draft up to --max-k, stopping when the product of the draft's "
+        "probabilities of its tokens this round < --confidence-threshold), optimal (k from Theorem 3.8 "
+        "with measured acceptance and cost); default: prefix with a draft model in generate, chat "
+        "and specdecode.open (measured faster), else fixed",
         choices=POLICIES,
     ),
-    Option("confidence_threshold", "for --policy confidence (default %(default)s)", float),
-    Option("max_k", "heuristic / optimal: the longest draft (default max(2k, 8))", int),
+    Option(
+        "confidence_threshold",
+        "confidence: a draft token's probability (default 0.4); prefix: the product of a round's "
+        "(default: a draft step plus a verified row over a target step, from the measured costs; else 0.4)",
+        float,
+    ),
+    Option("max_k", "heuristic / prefix / optimal: the longest draft (default max(2k, 8))", int),
     Option("exit_layer", "early-exit: draft with the first M layers (default half)", int),
     Option("ngram_max", "ngram: longest suffix to look up (default %(default)s)", int),
     Option("ngram_min", "ngram: shortest suffix to look up (default %(default)s)", int),

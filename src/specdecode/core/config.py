@@ -10,13 +10,17 @@ from ..errors import SpecDecodeError
 from ..formats import DRAFT_FORMATS
 from .tree import TREE_SAMPLING, TokenTree
 
-POLICIES = ("fixed", "heuristic", "confidence", "optimal")
+POLICIES = ("fixed", "heuristic", "confidence", "prefix", "optimal")
+# the confidence policy's threshold on each draft token's probability when none is given
+# (transformers' assistant_confidence_threshold), and the prefix policy's where no measured costs
+# give one (opener.py: prefix_threshold)
+DEFAULT_CONFIDENCE = 0.4
 # a drafter's own weights: float as loaded, or quantized at build (models/quant.py; formats.py)
 DRAFT_DTYPES = DRAFT_FORMATS
 
 
 def adaptive_max_k(k: int, max_k: int | None) -> int:
-    """The longest draft the heuristic and optimal policies may choose (default max(2k, 8))."""
+    """The longest draft the heuristic, prefix and optimal policies may choose (default max(2k, 8))."""
     return max_k or max(2 * k, 8)
 
 
@@ -24,14 +28,16 @@ def adaptive_max_k(k: int, max_k: int | None) -> int:
 class SpecConfig:
     """method: a registered drafter (`specdecode.drafters.DRAFTERS`) or None for target-only
     decoding; k: draft tokens per round (the start for adaptive policies); policy: fixed,
-    heuristic, confidence or optimal; tree: a TokenTree or its spec ('3,2,1' or JSON choices),
+    heuristic, confidence, prefix or optimal; tree: a TokenTree or its spec ('3,2,1' or JSON choices),
     verified in one forward (fixed policy only); tree_sampling: how its candidates are chosen,
     topk (the drafter's top-ranked tokens), with-replacement or without-replacement (drawn from
     the drafter's distribution; exact multi-candidate rules, see specdecode.tree). Method
     options: exit_layer (early-exit), ngram_max / ngram_min (ngram), heads (medusa / eagle /
     eagle3 / auto: a directory or loaded heads), suffix_max (suffix / auto: the longest draft a
     suffix match may make, default 16).
-    Policy options: confidence_threshold, max_k (heuristic / optimal), cost_model (optimal: a
+    Policy options: confidence_threshold (confidence: a draft token's probability, default 0.4;
+    prefix: the product of a round's, default from the measured costs where open_models has
+    them, else 0.4), max_k (heuristic / prefix / optimal), cost_model (optimal: a
     CostModel or a JSON file; default: measured once per generator on its first batch).
     batch_invariant: run the target's batch-invariant forward, so that a token's logits do not
     depend on how many drafts or rows share a forward (greedy speculative output then equals
@@ -69,7 +75,7 @@ class SpecConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     heads: str | Path | Any | None = None
-    confidence_threshold: float = 0.4
+    confidence_threshold: float | None = None
     max_k: int | None = None
     cost_model: Any = None
     batch_invariant: bool | None = None
@@ -87,7 +93,7 @@ class SpecConfig:
             raise SpecDecodeError(f"k must be an integer >= 1, got {self.k!r}")
         if self.policy not in POLICIES:
             raise SpecDecodeError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if not 0 < self.confidence_threshold < 1:
+        if self.confidence_threshold is not None and not 0 < self.confidence_threshold < 1:
             raise SpecDecodeError(f"confidence threshold must be in (0, 1), got {self.confidence_threshold}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SpecDecodeError(
@@ -137,7 +143,8 @@ class SpecConfig:
             return 0
         if self.tree is not None:
             return self.tree.size
-        k = adaptive_max_k(self.k, self.max_k) if self.policy in ("heuristic", "optimal") else self.k
+        adaptive = self.policy in ("heuristic", "prefix", "optimal")
+        k = adaptive_max_k(self.k, self.max_k) if adaptive else self.k
         if self.method in ("suffix", "auto"):  # a long suffix match drafts up to suffix_max
             return max(k, self.suffix_max)
         return k

@@ -181,17 +181,26 @@ class Drafter:
         return 0.0
 
 
+class PrefixThreshold(float):
+    """A stop threshold (propose's stop_below) on the product of the probabilities the draft gave
+    its tokens this round, by the draft's own reckoning the chance that the target accepts all of
+    them (the prefix policy); a plain float bounds each token's own probability (confidence)."""
+
+
 class DraftChain:
     """One round's chain of draft tokens: each drawn from the drafter's logits (warped and
     sampled, or argmax when the batch is greedy), its draft probs kept. Row b draws at most
-    limits[b] tokens and stops early on low confidence (stop_below); a row that stopped draws
-    no more random numbers. The shared part of every autoregressive drafter's propose()."""
+    limits[b] tokens and stops early on low confidence (stop_below: after a token whose
+    probability, or for a PrefixThreshold the product of the round's so far, is below it); a row
+    that stopped draws no more random numbers. The shared part of every autoregressive drafter's
+    propose(). Either stop reads the draft's probabilities only, so the output stays exact."""
 
     def __init__(self, ctx: DraftContext, limits: torch.Tensor, stop_below: float | None) -> None:
         self.ctx, self.stop_below = ctx, stop_below
         self.greedy = ctx.warp.all_greedy
         self.limits = limits.tolist()
         self.active = [n > 0 for n in self.limits]
+        self.prefix = [1.0] * ctx.size if isinstance(stop_below, PrefixThreshold) else None
         self.counts = [0] * ctx.size
         self.tokens: list[torch.Tensor] = []  # each [B]
         self.probs: list[torch.Tensor] = []  # each [B, V] (empty when greedy)
@@ -224,6 +233,11 @@ class DraftChain:
             conf = torch.softmax(listed.values.float(), -1).gather(1, at).squeeze(1).tolist()
         elif self.stop_below is not None:
             conf = confidence(logits, self.probs or None, tok.view(-1, 1)).tolist()
+        if conf is not None and self.prefix is not None:  # the product of the round's so far
+            for b, active in enumerate(self.active):
+                if active:
+                    self.prefix[b] *= conf[b]
+            conf = self.prefix
         for b, active in enumerate(self.active):
             if active:
                 self.counts[b] = step + 1

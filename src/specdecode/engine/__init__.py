@@ -7,7 +7,7 @@ rows.py       the running batch's per-row state
 prefill.py    prompts into the caches, in chunks, reusing the prefix cache
 verify.py     the acceptance rules (chain, greedy, invariant, tree): pure batched functions
 emit.py       committed tokens -> streamed events, stop strings, log-probabilities
-policy.py     how many tokens to draft (fixed, heuristic, confidence, optimal, load-aware)
+policy.py     how many tokens to draft (fixed, heuristic, confidence, prefix, optimal, load-aware)
 prefix.py     the prefix cache (KV blocks keyed by token prefixes)
 stats.py      per-run counters (acceptance, tokens per forward, times)
 calibrate.py  a round's cost measured on scratch runs (the optimal and load-aware policies)
