@@ -198,12 +198,14 @@ class Choice:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["predicted"] = self.predicted()
+        d["prefix_threshold"] = self.prefix_threshold()
         return d
 
     @staticmethod
     def from_dict(d: dict) -> Choice:
         d = dict(d)
         d.pop("predicted", None)
+        d.pop("prefix_threshold", None)
         d["target_costs"] = [FormatCosts(**c) for c in d.get("target_costs", [])]
         d["draft_costs"] = [FormatCosts(**c) for c in d.get("draft_costs", [])]
         return Choice(**d)

@@ -157,5 +157,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     print("\n".join(table(choice)))
     print(kernel_line())
     print(choice.line())
+    if choice.prefix_threshold() is not None:
+        print(
+            f"draft policy prefix: a row stops drafting below {choice.prefix_threshold():g} "
+            "(a draft step and a verified row over a target step)"
+        )
     print(f"cached: {choice.cache}", file=sys.stderr)
     return 0
