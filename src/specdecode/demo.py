@@ -342,10 +342,15 @@ def run_pair_demo(
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     shown = methods[0]
-    title = (
-        f"{PAIR_TARGET} ({t_name}) + {PAIR_DRAFT} ({d_name}) as {shown}, k = {k}, T = {temperature}, "
-        f"{forward}"
+    cfg = loaded.config
+    drafting = (  # what k means for the draft model's rows under its policy
+        f"up to {gens['draft'].config.max_draft} tokens a round, stopping below {cfg.confidence_threshold:g} "
+        "(prefix policy)"
+        if cfg.policy == "prefix" and "draft" in gens and cfg.confidence_threshold is not None
+        else f"k = {k}"
     )
+    title = f"{PAIR_TARGET} ({t_name}) + {PAIR_DRAFT} ({d_name}) as {shown}, {drafting}, T = {temperature}, "
+    title += forward
     _stream_first(console, gens[shown], target, chats[0], params, shown, title)
     rows = _method_table(
         console,
@@ -354,12 +359,12 @@ def run_pair_demo(
         chats,
         params,
         f"coding assistant: {PAIR_TARGET} {t_name} (draft {PAIR_DRAFT} {d_name}), {forward}, "
-        f"k = {k}, T = {temperature}, {len(prompts)} prompts, {max_new_tokens} new tokens at most, "
+        f"{drafting}, T = {temperature}, {len(prompts)} prompts, {max_new_tokens} new tokens at most, "
         "batch 1, this machine",
     )
     console.print(
         "Greedy output is the target's own with every method ('same tokens': equal to target-only's, "
-        "token for token); draft: the 0.5B model drafts k tokens; suffix: copies from the prompt "
+        "token for token); draft: the 0.5B model drafts; suffix: copies from the prompt "
         "and earlier answers; auto: suffix where the match is long, else the draft model. c: the "
         "drafter's seconds per draft token over the target's per forward, measured. "
         "`specdecode demo --small` chats with SmolLM2-135M; `--lesson` runs the lesson's pairs."
