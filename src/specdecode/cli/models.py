@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from ..errors import SpecDecodeError
 
@@ -124,7 +125,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from ..autotune import choose, cpu_name, table
     from ..demo import PAIR_DRAFT, PAIR_TARGET
     from ..models import ZOO
-    from ..opener import _lean_shapes
+    from ..models.draft_vocab import FULL, vocab_size
+    from ..opener import _lean_shapes, default_draft_vocab
 
     if args.k < 1:
         raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
@@ -138,6 +140,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     if shapes is None:
         raise SpecDecodeError(f"{target} does not run on our lean runtime: nothing to calibrate (fp32)")
     draft_shapes = _lean_shapes(draft, "auto") if draft else None
+    vocab = default_draft_vocab(draft, "draft", "auto", "cpu")
+    if draft_shapes is not None and vocab not in (None, FULL):  # the head generate runs: its cache file
+        draft_shapes = replace(draft_shapes, vocab=vocab_size(vocab, draft_shapes.vocab))
     choice = choose(
         shapes,
         draft_shapes,
